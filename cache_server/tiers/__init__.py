@@ -1,0 +1,1 @@
+"""nopecache cache_server.tiers."""

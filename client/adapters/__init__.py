@@ -1,0 +1,1 @@
+"""nopecache client.adapters."""
