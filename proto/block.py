@@ -1,0 +1,670 @@
+"""Block format shared by client and server: one contiguous blob per cached chunk.
+
+A block is the KV of one chunk of tokens for all layers of one model, plus a header that
+lets anyone holding only the bytes decide whether they are intact and what they hold::
+
+    offset 0        4            8                    16
+           +--------+------------+--------------------+-----------------+-----+-------------+
+           | "NPC1" | header_len | header_xxh3_64     | msgpack header  | pad | payload     |
+           | magic  | uint32 LE  | uint64 LE          | header_len B    | 0s  | stored B    |
+           +--------+------------+--------------------+-----------------+-----+-------------+
+                                                                              ^
+                                               payload_offset: 16 + header_len rounded up to 64
+
+The payload starts 64-byte aligned relative to the blob so that ``torch.frombuffer`` views
+of it are aligned for every dtype (and for vectorised copies). The padding must be zeros.
+``header_xxh3_64`` covers the msgpack bytes, so a flipped header byte is caught by
+``validate`` on the server, not only by a client that knows which key and tokens to expect.
+
+The msgpack header is a map with exactly these keys (the ``BlockHeader`` fields plus
+``stored_nbytes``, the payload length as stored, so truncation is a size error even when
+the payload is lz4-compressed)::
+
+    version           int    FORMAT_VERSION
+    key               bin    16 bytes (the client's BlockKey)
+    fingerprint       bin    the client's ModelFingerprint.to_bytes(); opaque here
+    form              int    StoredForm
+    dtype             str    "bfloat16" | "float16" | "float32" | "float8_e4m3fn"
+    shape             array  K shape [layers, tokens, kv_heads, head_dim]
+    v_head_dim        int    last dim of V (0 for MLA: no V)
+    token_ids         bin    tokens x uint32 LE (a bin, not a list: 4k ints unpack in µs)
+    source_positions  bin    tokens x uint32 LE for ROPE, nil otherwise
+    checksum          int    xxh3-64 of the uncompressed payload
+    compression       str    "none" | "lz4" (lz4 block format, no size prefix)
+    payload_nbytes    int    uncompressed payload size (K bytes + V bytes)
+    stored_nbytes     int    payload bytes in the blob (== payload_nbytes for "none")
+
+Payload (uncompressed): K then V, C-contiguous, the raw little-endian element bytes (as
+torch holds them on every little-endian host; bf16 and fp8 are never converted)::
+
+    K  [layers, tokens, kv_heads, head_dim]     dtype
+    V  [layers, tokens, kv_heads, v_head_dim]   dtype     (absent for MLA)
+
+MLA (DeepSeek-style latent attention) stores no V: K is the compressed latent
+``[layers, tokens, 1, kv_lora_rank + rope_dim]`` whose last ``rope_dim`` channels are the
+decoupled rope key, kept in nope form (un-rotated) like NOPE K; ``v_head_dim`` is 0. The
+split point is a property of the model (its fingerprint and RoPE spec), not of the block.
+
+Everything up to ``validate`` needs no torch: the server checks blocks with msgpack,
+xxhash and lz4 only. ``encode_block``/``decode_block`` import torch when called.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lz4.block
+import msgpack
+import xxhash
+
+if TYPE_CHECKING:
+    import torch
+
+
+class StoredForm(enum.IntEnum):
+    """How K is held in a block.
+
+    NOPE: K before RoPE (position independent), V as computed.
+    ROPE: K after RoPE at the block's ``source_positions``; re-rotated by a delta on fetch.
+    MLA:  DeepSeek-style latent ``[kv_lora_rank | rope part]`` with the rope part in nope
+          form; no separate V.
+    """
+
+    NOPE = 0
+    ROPE = 1
+    MLA = 2
+
+
+FORMAT_VERSION = 1
+KEY_BYTES = 16
+MAGIC = b"NPC1"
+PREFIX = struct.Struct("<4sIQ")  # magic, header_len, header_xxh3_64
+PAYLOAD_ALIGN = 64
+MAX_HEADER_BYTES = 1 << 20
+MAX_FINGERPRINT_BYTES = 1024
+MAX_BLOCK_TOKENS = 1 << 16
+# lz4's block API refuses inputs above LZ4_MAX_INPUT_SIZE, and no lz4 stream expands by
+# more than 255x: bounding payload_nbytes by both keeps a crafted header from making the
+# server allocate gigabytes before the checksum could reject it.
+LZ4_MAX_INPUT = 0x7E000000
+LZ4_MAX_RATIO = 255
+
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+}
+COMPRESSIONS = ("none", "lz4")
+
+BytesLike = bytes | bytearray | memoryview
+
+_HEADER_KEYS = (
+    "version",
+    "key",
+    "fingerprint",
+    "form",
+    "dtype",
+    "shape",
+    "v_head_dim",
+    "token_ids",
+    "source_positions",
+    "checksum",
+    "compression",
+    "payload_nbytes",
+    "stored_nbytes",
+)
+
+
+class BlockError(ValueError):
+    """A block is malformed, corrupted, or not the one the caller asked for."""
+
+
+class BlockHeaderError(BlockError):
+    """The header is structurally invalid (magic, version, a field's type or value)."""
+
+
+class BlockSizeError(BlockError):
+    """The blob's length disagrees with what its header says (truncated, trailing bytes)."""
+
+
+class BlockChecksumError(BlockError):
+    """The header or payload bytes do not match their xxh3-64 checksum."""
+
+
+class BlockMismatchError(BlockError):
+    """An intact block whose key, fingerprint or token ids are not what the caller expected."""
+
+
+def _u32_bytes(field: str, values: tuple[int, ...]) -> bytes:
+    """Pack ints as little-endian uint32, raising BlockHeaderError naming ``field``."""
+    try:
+        return struct.pack(f"<{len(values)}I", *values)
+    except struct.error as e:
+        raise BlockHeaderError(f"{field}: every entry must be an int in [0, 2**32): {e}") from e
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_layout(form: StoredForm, dtype: str, shape: tuple[int, ...], v_head_dim: int) -> int:
+    """Validate dtype/shape/v_head_dim for ``form`` and return the uncompressed payload size."""
+    if dtype not in DTYPE_ITEMSIZE:
+        raise BlockHeaderError(f"dtype: {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
+    if not isinstance(shape, tuple) or len(shape) != 4 or not all(_is_int(d) for d in shape):
+        raise BlockHeaderError(
+            f"shape: must be a tuple of 4 ints (layers, tokens, kv_heads, head_dim), got {shape!r}"
+        )
+    if min(shape) <= 0:
+        raise BlockHeaderError(f"shape: every dimension must be positive, got {shape}")
+    layers, tokens, kv_heads, head_dim = shape
+    if tokens > MAX_BLOCK_TOKENS:
+        raise BlockHeaderError(
+            f"shape: {tokens} tokens exceeds MAX_BLOCK_TOKENS={MAX_BLOCK_TOKENS}"
+        )
+    if not _is_int(v_head_dim):
+        raise BlockHeaderError(f"v_head_dim: must be an int, got {v_head_dim!r}")
+    if form == StoredForm.MLA:
+        if v_head_dim != 0:
+            raise BlockHeaderError(f"v_head_dim: must be 0 for MLA (no V), got {v_head_dim}")
+        if kv_heads != 1:
+            raise BlockHeaderError(f"shape: MLA latent has kv_heads 1, got {kv_heads}")
+    elif v_head_dim <= 0:
+        raise BlockHeaderError(f"v_head_dim: must be positive for {form.name}, got {v_head_dim}")
+    return DTYPE_ITEMSIZE[dtype] * layers * tokens * kv_heads * (head_dim + v_head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """Everything a block says about itself; validated on construction."""
+
+    version: int
+    key: bytes
+    fingerprint: bytes
+    form: StoredForm
+    dtype: str
+    shape: tuple[int, int, int, int]
+    v_head_dim: int
+    token_ids: tuple[int, ...]
+    source_positions: tuple[int, ...] | None
+    checksum: int
+    compression: str
+    payload_nbytes: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.version) or self.version != FORMAT_VERSION:
+            raise BlockHeaderError(
+                f"version: unsupported format version {self.version!r} "
+                f"(this build reads {FORMAT_VERSION})"
+            )
+        if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
+            raise BlockHeaderError(f"key: must be {KEY_BYTES} bytes, got {self.key!r}")
+        if not isinstance(self.fingerprint, bytes) or not (
+            0 < len(self.fingerprint) <= MAX_FINGERPRINT_BYTES
+        ):
+            raise BlockHeaderError(
+                f"fingerprint: must be 1..{MAX_FINGERPRINT_BYTES} bytes, "
+                f"got {self.fingerprint!r:.80}"
+            )
+        if not isinstance(self.form, StoredForm):
+            raise BlockHeaderError(f"form: must be a StoredForm, got {self.form!r}")
+        expected = _check_layout(self.form, self.dtype, self.shape, self.v_head_dim)
+        tokens = self.shape[1]
+        if not isinstance(self.token_ids, tuple) or len(self.token_ids) != tokens:
+            raise BlockHeaderError(
+                f"token_ids: must be a tuple of {tokens} ids (shape[1]), got "
+                f"{type(self.token_ids).__name__} of {len(self.token_ids)}"
+            )
+        _u32_bytes("token_ids", self.token_ids)
+        if self.form == StoredForm.ROPE:
+            pos = self.source_positions
+            if not isinstance(pos, tuple) or len(pos) != tokens:
+                raise BlockHeaderError(
+                    f"source_positions: ROPE needs a tuple of {tokens} positions, got {pos!r:.80}"
+                )
+            _u32_bytes("source_positions", pos)
+        elif self.source_positions is not None:
+            raise BlockHeaderError(f"source_positions: must be None for {self.form.name}")
+        if not _is_int(self.checksum) or not 0 <= self.checksum < 1 << 64:
+            raise BlockHeaderError(f"checksum: must be a uint64, got {self.checksum!r}")
+        if self.compression not in COMPRESSIONS:
+            raise BlockHeaderError(
+                f"compression: {self.compression!r} is not one of {list(COMPRESSIONS)}"
+            )
+        if self.payload_nbytes != expected:
+            raise BlockHeaderError(
+                f"payload_nbytes: {self.payload_nbytes!r} but {self.dtype} K{list(self.shape)} "
+                f"+ V head_dim {self.v_head_dim} needs {expected}"
+            )
+
+    @property
+    def v_shape(self) -> tuple[int, int, int, int] | None:
+        """Shape of V in the payload, None for MLA."""
+        if self.form == StoredForm.MLA:
+            return None
+        layers, tokens, kv_heads, _ = self.shape
+        return (layers, tokens, kv_heads, self.v_head_dim)
+
+    @property
+    def k_nbytes(self) -> int:
+        """Bytes of K at the start of the uncompressed payload."""
+        layers, tokens, kv_heads, head_dim = self.shape
+        return DTYPE_ITEMSIZE[self.dtype] * layers * tokens * kv_heads * head_dim
+
+
+# ---------------------------------------------------------------------------------------
+# Framing: bytes in, bytes out, no torch.
+
+
+def _encode_header(header: BlockHeader, stored_nbytes: int) -> bytes:
+    """Msgpack bytes of ``header``; the key order is fixed so equal blocks are equal bytes."""
+    pos = header.source_positions
+    return msgpack.packb(
+        {
+            "version": header.version,
+            "key": header.key,
+            "fingerprint": header.fingerprint,
+            "form": int(header.form),
+            "dtype": header.dtype,
+            "shape": list(header.shape),
+            "v_head_dim": header.v_head_dim,
+            "token_ids": _u32_bytes("token_ids", header.token_ids),
+            "source_positions": None if pos is None else _u32_bytes("source_positions", pos),
+            "checksum": header.checksum,
+            "compression": header.compression,
+            "payload_nbytes": header.payload_nbytes,
+            "stored_nbytes": stored_nbytes,
+        },
+        use_bin_type=True,
+    )
+
+
+def _u32_tuple(field: str, raw: object, tokens: int) -> tuple[int, ...]:
+    if not isinstance(raw, bytes) or len(raw) != 4 * tokens:
+        raise BlockHeaderError(f"{field}: must be {tokens} x uint32 LE bytes, got {raw!r:.80}")
+    return struct.unpack(f"<{tokens}I", raw)
+
+
+def _decode_header(raw: memoryview) -> tuple[BlockHeader, int]:
+    """Parse msgpack header bytes into a validated header and the stored payload size."""
+    try:
+        fields = msgpack.unpackb(raw, raw=False, use_list=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise BlockHeaderError(f"header: not a valid msgpack map: {e}") from e
+    if not isinstance(fields, dict):
+        raise BlockHeaderError(f"header: must be a msgpack map, got {type(fields).__name__}")
+    # Version first: another version may have other fields, and that is the real reason.
+    version = fields.get("version")
+    if not _is_int(version) or version != FORMAT_VERSION:
+        raise BlockHeaderError(
+            f"version: unsupported format version {version!r} (this build reads {FORMAT_VERSION})"
+        )
+    if set(fields) != set(_HEADER_KEYS):
+        missing = sorted(set(_HEADER_KEYS) - set(fields))
+        unknown = sorted(set(fields) - set(_HEADER_KEYS))
+        raise BlockHeaderError(f"header: missing fields {missing}, unknown fields {unknown}")
+    try:
+        form = StoredForm(fields["form"])
+    except (ValueError, TypeError) as e:
+        raise BlockHeaderError(f"form: unknown stored form {fields['form']!r}") from e
+    shape = fields["shape"]
+    # The token count sizes the uint32 fields below; BlockHeader checks the rest.
+    if not isinstance(shape, tuple) or len(shape) != 4 or not _is_int(shape[1]):
+        raise BlockHeaderError(f"shape: must be 4 ints, got {shape!r}")
+    tokens = shape[1]
+    if not 0 < tokens <= MAX_BLOCK_TOKENS:
+        raise BlockHeaderError(f"shape: tokens must be in 1..{MAX_BLOCK_TOKENS}, got {tokens}")
+    raw_pos = fields["source_positions"]
+    header = BlockHeader(
+        version=fields["version"],
+        key=fields["key"],
+        fingerprint=fields["fingerprint"],
+        form=form,
+        dtype=fields["dtype"],
+        shape=shape,
+        v_head_dim=fields["v_head_dim"],
+        token_ids=_u32_tuple("token_ids", fields["token_ids"], tokens),
+        source_positions=None
+        if raw_pos is None
+        else _u32_tuple("source_positions", raw_pos, tokens),
+        checksum=fields["checksum"],
+        compression=fields["compression"],
+        payload_nbytes=fields["payload_nbytes"],
+    )
+    stored = fields["stored_nbytes"]
+    if not _is_int(stored) or stored < 0:
+        raise BlockHeaderError(f"stored_nbytes: must be a non-negative int, got {stored!r}")
+    _check_stored(header, stored)
+    return header, stored
+
+
+def _check_stored(header: BlockHeader, stored_nbytes: int) -> None:
+    """Check the stored payload length is possible for the header's compression."""
+    if header.compression == "none":
+        if stored_nbytes != header.payload_nbytes:
+            raise BlockSizeError(
+                f"payload: {stored_nbytes} bytes but payload_nbytes is {header.payload_nbytes}"
+            )
+    elif header.payload_nbytes > min(LZ4_MAX_INPUT, LZ4_MAX_RATIO * stored_nbytes + 16):
+        raise BlockSizeError(
+            f"payload_nbytes: {header.payload_nbytes} cannot come from {stored_nbytes} "
+            "lz4-compressed bytes"
+        )
+
+
+def payload_offset(header_len: int) -> int:
+    """Offset of the payload in a blob whose msgpack header is ``header_len`` bytes."""
+    end = PREFIX.size + header_len
+    return -(-end // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+
+
+def packed_size(header: BlockHeader, payload_len: int) -> int:
+    """Size of the blob ``pack(header, payload)`` returns for a ``payload_len``-byte payload."""
+    return payload_offset(len(_encode_header(header, payload_len))) + payload_len
+
+
+def pack_into(buf: bytearray | memoryview, header: BlockHeader, payload: BytesLike) -> int:
+    """Write the blob of ``header`` and stored ``payload`` at the start of ``buf``; return its size.
+
+    ``payload`` is the payload as stored: already lz4-compressed when ``header.compression``
+    is "lz4". The checksum is not recomputed (``validate`` is the check); use
+    ``build_block`` or ``encode_block`` to make a header from data.
+    """
+    mv = memoryview(payload).cast("B")
+    _check_stored(header, mv.nbytes)
+    hb = _encode_header(header, mv.nbytes)
+    start = payload_offset(len(hb))
+    total = start + mv.nbytes
+    out = memoryview(buf).cast("B")
+    if out.nbytes < total:
+        raise BlockSizeError(f"buf: {out.nbytes} bytes, the blob needs {total}")
+    PREFIX.pack_into(out, 0, MAGIC, len(hb), xxhash.xxh3_64_intdigest(hb))
+    out[PREFIX.size : PREFIX.size + len(hb)] = hb
+    out[PREFIX.size + len(hb) : start] = bytes(start - PREFIX.size - len(hb))
+    out[start:total] = mv
+    return total
+
+
+def pack(header: BlockHeader, payload: BytesLike) -> bytes:
+    """The blob for ``header`` and stored ``payload`` (see ``pack_into``)."""
+    mv = memoryview(payload).cast("B")
+    _check_stored(header, mv.nbytes)
+    return _frame(header, [mv], mv.nbytes)
+
+
+def _frame(header: BlockHeader, parts: Sequence[BytesLike], stored_nbytes: int) -> bytes:
+    """Join prefix, header, padding and payload parts with one copy of the payload."""
+    hb = _encode_header(header, stored_nbytes)
+    pad = payload_offset(len(hb)) - PREFIX.size - len(hb)
+    prefix = PREFIX.pack(MAGIC, len(hb), xxhash.xxh3_64_intdigest(hb))
+    return b"".join([prefix, hb, bytes(pad), *parts])
+
+
+def parse(blob: BytesLike) -> tuple[BlockHeader, memoryview]:
+    """Split a blob into its validated header and a zero-copy view of the stored payload.
+
+    Checks structure only (magic, lengths, header checksum, header fields); the payload
+    checksum is ``validate``'s job. Raises BlockHeaderError, BlockSizeError or
+    BlockChecksumError (header bytes corrupted).
+    """
+    mv = memoryview(blob)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    if mv.nbytes < PREFIX.size:
+        raise BlockSizeError(f"blob: {mv.nbytes} bytes, shorter than the {PREFIX.size}-byte prefix")
+    magic, header_len, header_sum = PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise BlockHeaderError(f"magic: expected {MAGIC!r}, got {bytes(magic)!r}")
+    if header_len > MAX_HEADER_BYTES:
+        raise BlockHeaderError(f"header_len: {header_len} exceeds {MAX_HEADER_BYTES}")
+    start = payload_offset(header_len)
+    if start > mv.nbytes:
+        raise BlockSizeError(
+            f"header_len: {header_len} needs a blob of at least {start} bytes, got {mv.nbytes}"
+        )
+    raw = mv[PREFIX.size : PREFIX.size + header_len]
+    if xxhash.xxh3_64_intdigest(raw) != header_sum:
+        raise BlockChecksumError("header_checksum: header bytes do not match their xxh3-64")
+    if any(mv[PREFIX.size + header_len : start]):
+        raise BlockHeaderError("padding: bytes between header and payload must be zero")
+    header, stored = _decode_header(raw)
+    if mv.nbytes - start != stored:
+        raise BlockSizeError(
+            f"payload: blob holds {mv.nbytes - start} payload bytes, header says {stored}"
+        )
+    return header, mv[start:]
+
+
+def _checked_payload(header: BlockHeader, stored: memoryview) -> memoryview | bytes:
+    """The uncompressed payload of a parsed block, once its checksum matches."""
+    payload: memoryview | bytes = stored
+    if header.compression == "lz4":
+        try:
+            payload = lz4.block.decompress(stored, uncompressed_size=header.payload_nbytes)
+        except lz4.block.LZ4BlockError as e:
+            raise BlockChecksumError(f"payload: corrupt lz4 stream: {e}") from e
+        if len(payload) != header.payload_nbytes:
+            raise BlockChecksumError(
+                f"payload: lz4 stream holds {len(payload)} bytes, header says "
+                f"{header.payload_nbytes}"
+            )
+    if xxhash.xxh3_64_intdigest(payload) != header.checksum:
+        raise BlockChecksumError("checksum: payload bytes do not match their xxh3-64")
+    return payload
+
+
+def validate(blob: BytesLike) -> BlockHeader:
+    """Check a blob completely (structure, sizes, both checksums) and return its header."""
+    header, stored = parse(blob)
+    _checked_payload(header, stored)
+    return header
+
+
+def build_block(
+    *,
+    key: bytes,
+    fingerprint: bytes,
+    form: StoredForm,
+    dtype: str,
+    shape: tuple[int, int, int, int],
+    v_head_dim: int,
+    token_ids: Sequence[int],
+    payload: BytesLike | Sequence[BytesLike],
+    source_positions: Sequence[int] | None = None,
+    compression: str = "none",
+) -> bytes:
+    """A blob from the raw uncompressed payload (K then V), computing checksum and sizes.
+
+    ``payload`` may be given in parts (K bytes, V bytes): they are checksummed where they
+    lie and copied once, into the blob.
+    """
+    if isinstance(payload, bytes | bytearray | memoryview):
+        payload = [payload]
+    parts = [memoryview(p).cast("B") for p in payload]
+    shape = tuple(shape)  # type: ignore[assignment]  # _check_layout checks the arity
+    expected = _check_layout(form, dtype, shape, v_head_dim)
+    nbytes = sum(p.nbytes for p in parts)
+    if nbytes != expected:
+        raise BlockSizeError(f"payload: {nbytes} bytes but {dtype} {list(shape)} needs {expected}")
+    digest = xxhash.xxh3_64()
+    for p in parts:
+        digest.update(p)
+    header = BlockHeader(
+        version=FORMAT_VERSION,
+        key=key,
+        fingerprint=fingerprint,
+        form=form,
+        dtype=dtype,
+        shape=shape,
+        v_head_dim=v_head_dim,
+        token_ids=tuple(token_ids),
+        source_positions=None if source_positions is None else tuple(source_positions),
+        checksum=digest.intdigest(),
+        compression=compression,
+        payload_nbytes=nbytes,
+    )
+    if compression == "lz4":
+        if nbytes > LZ4_MAX_INPUT:
+            raise BlockSizeError(f"payload: {nbytes} bytes is over lz4's {LZ4_MAX_INPUT} limit")
+        whole = parts[0] if len(parts) == 1 else b"".join(parts)
+        packed = lz4.block.compress(whole, store_size=False)
+        return _frame(header, [packed], len(packed))
+    return _frame(header, parts, nbytes)
+
+
+# ---------------------------------------------------------------------------------------
+# Tensors: torch is imported here only, so the server can validate without it.
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedBlock:
+    """A verified block: its header, K, and V (None for MLA)."""
+
+    header: BlockHeader
+    k: torch.Tensor
+    v: torch.Tensor | None
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of ``t`` in C order on the host: zero-copy for a contiguous CPU tensor."""
+    import torch
+
+    # Layout copy on the tensor's own device first (cheap on a GPU), then one transfer.
+    host = t.detach().contiguous().cpu()
+    return host.view(torch.uint8).reshape(-1).numpy().data
+
+
+def encode_block(
+    *,
+    key: bytes,
+    fingerprint: bytes,
+    form: StoredForm,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    token_ids: Sequence[int],
+    source_positions: Sequence[int] | None = None,
+    compression: str = "none",
+) -> bytes:
+    """A blob holding K (and V) ``[layers, tokens, kv_heads, head_dim]`` for ``token_ids``.
+
+    K and V may live on any device and in any layout; their bytes are copied exactly
+    (no float conversion), checksummed in place, and copied once into the blob (plus one
+    device-to-host or layout copy when the tensor is not a contiguous CPU tensor).
+    """
+    # Every check runs before the first byte is copied off the device.
+    dtype = str(k.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_ITEMSIZE:
+        raise BlockHeaderError(f"dtype: {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
+    if k.dim() != 4:
+        raise BlockHeaderError(
+            f"k: must be 4-D [layers, tokens, kv_heads, head_dim], got {list(k.shape)}"
+        )
+    shape = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
+    tensors = [k]
+    if form == StoredForm.MLA:
+        if v is not None:
+            raise BlockHeaderError("v: must be None for MLA (the latent K holds everything)")
+        v_head_dim = 0
+    else:
+        if v is None:
+            raise BlockHeaderError(f"v: required for {StoredForm(form).name}")
+        if v.dtype != k.dtype:
+            raise BlockHeaderError(f"v: dtype {v.dtype} differs from k's {k.dtype}")
+        if v.dim() != 4 or tuple(v.shape[:3]) != shape[:3]:
+            raise BlockHeaderError(
+                f"v: shape {list(v.shape)} must be [{shape[0]}, {shape[1]}, {shape[2]}, v_head_dim]"
+            )
+        v_head_dim = v.shape[3]
+        tensors.append(v)
+    if len(token_ids) != shape[1]:
+        raise BlockHeaderError(f"token_ids: {len(token_ids)} ids for {shape[1]} tokens in k")
+    return build_block(
+        key=key,
+        fingerprint=fingerprint,
+        form=form,
+        dtype=dtype,
+        shape=shape,
+        v_head_dim=v_head_dim,
+        token_ids=token_ids,
+        payload=[_host_bytes(t) for t in tensors],
+        source_positions=source_positions,
+        compression=compression,
+    )
+
+
+# torch.frombuffer warns (once per process) when the buffer is read-only, e.g. bytes from
+# gRPC. The views are documented read-only, so the warning is noise; the lock keeps two
+# threads' catch_warnings from restoring each other's filter lists out of order.
+_READONLY_LOCK = threading.Lock()
+
+
+def _frombuffer(buf: memoryview | bytes, dtype: Any, count: int, offset: int) -> torch.Tensor:
+    import torch
+
+    if not memoryview(buf).readonly:
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+    with _READONLY_LOCK, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+def _first_difference(got: tuple[int, ...], want: tuple[int, ...]) -> str:
+    if len(got) != len(want):
+        return f"block holds {len(got)} tokens, expected {len(want)}"
+    i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    return f"first difference at index {i}: block holds {got[i]}, expected {want[i]}"
+
+
+def decode_block(
+    blob: BytesLike,
+    *,
+    expect_key: bytes | None = None,
+    expect_fingerprint: bytes | None = None,
+    expect_tokens: Sequence[int] | None = None,
+) -> DecodedBlock:
+    """Verify a blob against what the caller expects and return K/V tensors viewing it.
+
+    Raises BlockMismatchError when an intact block is not the expected one (a key
+    collision or a mix-up), and the other BlockError types when it is corrupt: a block
+    never turns into tensors unless every check passed.
+
+    Uncompressed blocks decode zero-copy: ``k`` and ``v`` are ``torch.frombuffer`` views
+    that keep ``blob`` alive. They are writable (and writes land in ``blob``) when ``blob``
+    is writable (bytearray, a writable memoryview such as shared memory); for a read-only
+    ``blob`` (bytes) they are read-only by contract, as torch cannot flag them: copy
+    before writing. lz4 blocks decode into a fresh read-only buffer.
+    """
+    import torch
+
+    header, stored = parse(blob)
+    if expect_key is not None and header.key != expect_key:
+        raise BlockMismatchError(
+            f"key: block holds {header.key.hex()}, expected {expect_key.hex()}"
+        )
+    if expect_fingerprint is not None and header.fingerprint != expect_fingerprint:
+        raise BlockMismatchError(
+            f"fingerprint: block holds {header.fingerprint.hex():.64}, "
+            f"expected {expect_fingerprint.hex():.64}"
+        )
+    if expect_tokens is not None:
+        want = tuple(expect_tokens)
+        if header.token_ids != want:
+            raise BlockMismatchError(f"token_ids: {_first_difference(header.token_ids, want)}")
+    payload = _checked_payload(header, stored)
+    dtype = getattr(torch, header.dtype)
+    itemsize = DTYPE_ITEMSIZE[header.dtype]
+    k_count = header.k_nbytes // itemsize
+    k = _frombuffer(payload, dtype, k_count, 0).view(header.shape)
+    v_shape = header.v_shape
+    v = None
+    if v_shape is not None:
+        v_count = (header.payload_nbytes - header.k_nbytes) // itemsize
+        v = _frombuffer(payload, dtype, v_count, header.k_nbytes).view(v_shape)
+    return DecodedBlock(header=header, k=k, v=v)
