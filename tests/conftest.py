@@ -8,6 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["redis_procs"]
+
 # The interpreter must be chosen before any module defining a Triton kernel is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
