@@ -1,0 +1,359 @@
+"""Cost-aware fetch: keep a cache hit only when fetching it beats recomputing it.
+
+A remote fetch is not free. Over a slow link or a loaded shared Redis, fetching a block
+can take longer than the engine needs to prefill its tokens again, and then the cache
+makes time-to-first-token worse. :class:`CostModel` compares two estimates per hit::
+
+    fetch_s   = rtt(server) + block_bytes / bandwidth(server)     measured on this client
+    prefill_s = hit_tokens / prefill_tokens_per_s                  reported or learned
+
+and keeps the hit when ``fetch_s * safety_factor <= prefill_s``. It keeps every hit of a
+server it has not measured often enough yet (``min_samples``): without data, dropping a
+hit would throw work away on a guess, and the first fetches are the measurements.
+
+Estimators (per server, exponentially weighted with ``ewma_alpha``):
+
+* ``rtt``: the mean latency of small calls (:meth:`CostModel.observe_rtt`; a Lookup is one).
+* ``bandwidth``: a ratio of averages, ``avg(bytes) / avg(seconds - rtt)`` over fetches.
+  A ratio of averages (not an average of per-fetch rates) weighs large transfers by their
+  size and cannot blow up on a fetch that took almost no time beyond its round trip.
+* ``prefill``: ``prefill_tokens_per_s`` from the config when the engine reports it, else
+  ``avg(tokens) / avg(seconds)`` of :meth:`CostModel.observe_prefill` once there are
+  ``min_samples`` of them, else ``default_prefill_tokens_per_s``.
+
+Prefill time is modelled as linear in tokens. Attention makes long prefills superlinear,
+so the model errs toward dropping hits on very long prompts, the safe direction for
+latency. A fetch moves the whole block even when the plan uses only the tail of it (a
+hit trimmed at the front), so the bytes are the block's and the tokens are the hit's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nopecache.client.errors import InvalidArgumentError
+from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.keys import BlockKey
+from nopecache.client.plan import Hit
+from nopecache.proto.block import DTYPE_ITEMSIZE, StoredForm
+
+__all__ = [
+    "CostConfig",
+    "CostFilter",
+    "CostModel",
+    "FetchDecision",
+    "bytes_per_token",
+]
+
+# A 7-8B model on one datacenter GPU prefills on the order of 10^4 tokens/s; this is the
+# guess used until the engine reports or the client learns the real rate.
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+
+
+def _check_number(name: str, value: object, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgumentError(name, f"must be a number, got {value!r}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise InvalidArgumentError(name, f"must be finite, got {value}")
+    if positive and value <= 0:
+        raise InvalidArgumentError(name, f"must be > 0, got {value}")
+    if value < 0:
+        raise InvalidArgumentError(name, f"must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class CostConfig:
+    """How the client decides whether a hit is worth fetching (see the module docstring)."""
+
+    enabled: bool = True
+    # The engine's prefill rate when it reports one; None: learn it from observe_prefill.
+    prefill_tokens_per_s: float | None = None
+    # The rate assumed before anything is reported or learned.
+    default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    # A hit is kept when fetch_s * safety_factor <= prefill_s. Above 1 because the fetch
+    # estimate is noisy and a wrong keep costs latency directly, while a wrong drop only
+    # costs the compute the cache would have saved.
+    safety_factor: float = 1.2
+    # Fetches of a server (and prefills) needed before their estimate is trusted.
+    min_samples: int = 3
+    # Weight of the newest sample in the exponentially weighted averages.
+    ewma_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise InvalidArgumentError("cost.enabled", f"must be a bool, got {self.enabled!r}")
+        if self.prefill_tokens_per_s is not None:
+            rate = _check_number("cost.prefill_tokens_per_s", self.prefill_tokens_per_s)
+            object.__setattr__(self, "prefill_tokens_per_s", rate)
+        object.__setattr__(
+            self,
+            "default_prefill_tokens_per_s",
+            _check_number("cost.default_prefill_tokens_per_s", self.default_prefill_tokens_per_s),
+        )
+        object.__setattr__(
+            self, "safety_factor", _check_number("cost.safety_factor", self.safety_factor)
+        )
+        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int):
+            raise InvalidArgumentError(
+                "cost.min_samples", f"must be an int, got {self.min_samples!r}"
+            )
+        if self.min_samples < 1:
+            raise InvalidArgumentError("cost.min_samples", f"must be >= 1, got {self.min_samples}")
+        alpha = _check_number("cost.ewma_alpha", self.ewma_alpha)
+        if alpha > 1:
+            raise InvalidArgumentError("cost.ewma_alpha", f"must be in (0, 1], got {alpha}")
+        object.__setattr__(self, "ewma_alpha", alpha)
+
+
+def bytes_per_token(fingerprint: ModelFingerprint, v_head_dim: int | None = None) -> int:
+    """Payload bytes one token adds to a block: K and V of every layer and KV head.
+
+    ``layers * kv_heads * (head_dim + v_head_dim) * itemsize``; ``v_head_dim`` defaults
+    to ``head_dim`` (0 for MLA, whose block holds no V). The block header (key, token
+    ids, checksum) is left out: it is a few bytes per token against kilobytes of KV.
+    """
+    if not isinstance(fingerprint, ModelFingerprint):
+        raise InvalidArgumentError(
+            "fingerprint", f"must be a ModelFingerprint, got {type(fingerprint).__name__}"
+        )
+    if v_head_dim is None:
+        v_head_dim = 0 if fingerprint.form is StoredForm.MLA else fingerprint.head_dim
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or v_head_dim < 0:
+        raise InvalidArgumentError("v_head_dim", f"must be an int >= 0, got {v_head_dim!r}")
+    itemsize = DTYPE_ITEMSIZE[fingerprint.dtype]
+    return (
+        fingerprint.num_layers
+        * fingerprint.num_kv_heads
+        * (fingerprint.head_dim + v_head_dim)
+        * itemsize
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FetchDecision:
+    """Why a hit was kept or dropped: the two estimates the decision compared.
+
+    ``fetch_s`` is None when the server has too few samples to estimate (the hit is
+    then kept untested); ``prefill_s`` is the recompute time of the hit's tokens.
+    """
+
+    keep: bool
+    server: str
+    nbytes: int
+    tokens: int
+    fetch_s: float | None
+    prefill_s: float
+    reason: str  # "disabled", "unmeasured", "cheaper_to_fetch" or "cheaper_to_recompute"
+
+
+class _Ewma:
+    """An exponentially weighted mean that starts at its first sample."""
+
+    __slots__ = ("alpha", "count", "value")
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.count = 0
+        self.value = 0.0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.count == 0 else self.value + self.alpha * (x - self.value)
+        self.count += 1
+
+
+class _ServerStats:
+    """RTT and transfer averages of one server."""
+
+    __slots__ = ("fetch_bytes", "fetch_seconds", "rtt")
+
+    def __init__(self, alpha: float) -> None:
+        self.rtt = _Ewma(alpha)
+        self.fetch_bytes = _Ewma(alpha)
+        self.fetch_seconds = _Ewma(alpha)
+
+
+class CostModel:
+    """Per-server fetch estimates and the engine's prefill rate; thread-safe.
+
+    Concurrency: one ``threading.Lock`` guards every average (the per-server table and
+    the prefill averages). Each method holds it for a few arithmetic operations and never
+    across I/O, so fetch threads may record samples while the planner asks for decisions.
+    """
+
+    def __init__(self, config: CostConfig | None = None) -> None:
+        """A model with no samples yet, configured by ``config`` (defaults if None)."""
+        if config is None:
+            config = CostConfig()
+        if not isinstance(config, CostConfig):
+            raise InvalidArgumentError(
+                "config", f"must be a CostConfig, got {type(config).__name__}"
+            )
+        self.config = config
+        self._lock = threading.Lock()
+        self._servers: dict[str, _ServerStats] = {}
+        self._prefill_tokens = _Ewma(config.ewma_alpha)
+        self._prefill_seconds = _Ewma(config.ewma_alpha)
+
+    def _server(self, server: str) -> _ServerStats:
+        # Caller holds self._lock.
+        stats = self._servers.get(server)
+        if stats is None:
+            stats = self._servers[server] = _ServerStats(self.config.ewma_alpha)
+        return stats
+
+    def observe_fetch(self, server: str, nbytes: int, seconds: float) -> None:
+        """Record that fetching ``nbytes`` from ``server`` took ``seconds`` (whole call)."""
+        _check_server(server)
+        _check_number("nbytes", nbytes, positive=False)
+        seconds = _check_number("seconds", seconds, positive=False)
+        with self._lock:
+            stats = self._server(server)
+            stats.fetch_bytes.add(float(nbytes))
+            stats.fetch_seconds.add(seconds)
+
+    def observe_rtt(self, server: str, seconds: float) -> None:
+        """Record the latency of a call to ``server`` that moved almost no payload."""
+        _check_server(server)
+        seconds = _check_number("seconds", seconds, positive=False)
+        with self._lock:
+            self._server(server).rtt.add(seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Record that the engine prefilled ``tokens`` tokens in ``seconds``."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise InvalidArgumentError("tokens", f"must be an int >= 1, got {tokens!r}")
+        seconds = _check_number("seconds", seconds)
+        with self._lock:
+            self._prefill_tokens.add(float(tokens))
+            self._prefill_seconds.add(seconds)
+
+    def rtt_s(self, server: str) -> float | None:
+        """The averaged round trip to ``server``, or None before any sample."""
+        with self._lock:
+            stats = self._servers.get(server)
+            if stats is None or stats.rtt.count == 0:
+                return None
+            return stats.rtt.value
+
+    def bandwidth_bytes_per_s(self, server: str) -> float | None:
+        """Measured transfer rate from ``server`` (None: too few samples; inf: RTT-bound)."""
+        with self._lock:
+            return self._bandwidth(self._servers.get(server))
+
+    def _bandwidth(self, stats: _ServerStats | None) -> float | None:
+        # Caller holds self._lock.
+        if stats is None or stats.fetch_bytes.count < self.config.min_samples:
+            return None
+        rtt = stats.rtt.value if stats.rtt.count else 0.0
+        transfer_s = stats.fetch_seconds.value - rtt
+        if transfer_s <= 0.0:
+            # Every fetch finished within one round trip: the payload time is not
+            # measurable at this size, so it counts as free beside the RTT.
+            return float("inf")
+        return stats.fetch_bytes.value / transfer_s
+
+    def estimate_fetch_s(self, server: str, nbytes: int, *, with_rtt: bool = True) -> float | None:
+        """Estimated seconds to fetch ``nbytes`` from ``server``; None with too few samples.
+
+        ``with_rtt=False`` leaves the round trip out, for a block that rides in a Get
+        stream whose round trip another block already paid.
+        """
+        _check_number("nbytes", nbytes, positive=False)
+        with self._lock:
+            stats = self._servers.get(server)
+            bandwidth = self._bandwidth(stats)
+            if stats is None or bandwidth is None:
+                return None
+            rtt = stats.rtt.value if (with_rtt and stats.rtt.count) else 0.0
+        return rtt + nbytes / bandwidth
+
+    def prefill_tokens_per_s(self) -> float:
+        """The prefill rate used: reported, else learned, else the configured default."""
+        if self.config.prefill_tokens_per_s is not None:
+            return self.config.prefill_tokens_per_s
+        with self._lock:
+            if self._prefill_tokens.count >= self.config.min_samples:
+                return self._prefill_tokens.value / self._prefill_seconds.value
+        return self.config.default_prefill_tokens_per_s
+
+    def estimate_prefill_s(self, tokens: int) -> float:
+        """Estimated seconds for the engine to prefill ``tokens`` tokens."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidArgumentError("tokens", f"must be an int >= 0, got {tokens!r}")
+        return tokens / self.prefill_tokens_per_s()
+
+    def decide(self, hit: Hit, nbytes: int, server: str, *, with_rtt: bool = True) -> FetchDecision:
+        """The keep/drop decision for fetching ``hit`` (``nbytes`` of block) from ``server``."""
+        if not isinstance(hit, Hit):
+            raise InvalidArgumentError("hit", f"must be a Hit, got {type(hit).__name__}")
+        _check_server(server)
+        prefill_s = self.estimate_prefill_s(hit.num_tokens)
+        if not self.config.enabled:
+            return FetchDecision(True, server, nbytes, hit.num_tokens, None, prefill_s, "disabled")
+        fetch_s = self.estimate_fetch_s(server, nbytes, with_rtt=with_rtt)
+        if fetch_s is None:
+            return FetchDecision(
+                True, server, nbytes, hit.num_tokens, None, prefill_s, "unmeasured"
+            )
+        keep = fetch_s * self.config.safety_factor <= prefill_s
+        reason = "cheaper_to_fetch" if keep else "cheaper_to_recompute"
+        return FetchDecision(keep, server, nbytes, hit.num_tokens, fetch_s, prefill_s, reason)
+
+    def keep(self, hit: Hit, nbytes: int, server: str) -> bool:
+        """True when ``hit`` is worth fetching from ``server`` (see :meth:`decide`)."""
+        return self.decide(hit, nbytes, server).keep
+
+    def hit_filter(self, bytes_per_token: int, owner: Callable[[bytes], str]) -> CostFilter:
+        """A ``keep`` filter for one :func:`~nopecache.client.plan.plan_reuse` call."""
+        return CostFilter(self, bytes_per_token, owner)
+
+
+class CostFilter:
+    """A ``plan_reuse`` keep filter that records each decision it makes.
+
+    One filter serves one plan. A plan's blocks travel in one Get stream per server, so
+    only the first block kept from a server is charged the round trip; the rest cost
+    their bytes. ``decisions`` maps each block key to the decision taken for it.
+    """
+
+    def __init__(
+        self, model: CostModel, bytes_per_token: int, owner: Callable[[bytes], str]
+    ) -> None:
+        """A filter deciding with ``model``; ``owner`` maps a key's bytes to its server."""
+        if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int):
+            raise InvalidArgumentError(
+                "bytes_per_token", f"must be an int, got {bytes_per_token!r}"
+            )
+        if bytes_per_token < 1:
+            raise InvalidArgumentError("bytes_per_token", f"must be >= 1, got {bytes_per_token}")
+        if not callable(owner):
+            raise InvalidArgumentError("owner", f"must be callable, got {owner!r}")
+        self.model = model
+        self.bytes_per_token = bytes_per_token
+        self.owner = owner
+        self.decisions: dict[BlockKey, FetchDecision] = {}
+        self._charged: set[str] = set()
+
+    def __call__(self, hit: Hit) -> bool:
+        """True to keep ``hit`` in the plan."""
+        server = self.owner(bytes(hit.key))
+        # The whole stored block travels, even when the plan uses only its tail.
+        nbytes = hit.source.end * self.bytes_per_token
+        decision = self.model.decide(hit, nbytes, server, with_rtt=server not in self._charged)
+        if decision.keep:
+            self._charged.add(server)
+        self.decisions[hit.key] = decision
+        return decision.keep
+
+    def dropped(self) -> list[FetchDecision]:
+        """Decisions that dropped a hit, in the order they were taken."""
+        return [d for d in self.decisions.values() if not d.keep]
+
+
+def _check_server(server: object) -> None:
+    if not isinstance(server, str) or not server:
+        raise InvalidArgumentError("server", f"must be a non-empty str, got {server!r}")
