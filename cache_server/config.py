@@ -1,0 +1,337 @@
+"""The server's one typed configuration object and where its values come from.
+
+Every option is a field of :class:`ServerConfig` and has exactly one spelling per source,
+derived mechanically from the field name (so deploy manifests can be checked against it):
+
+    field            max_block_bytes
+    command line     --max-block-bytes 64MiB
+    environment      NOPECACHE_MAX_BLOCK_BYTES=64MiB
+    TOML file        max_block_bytes = "64MiB"      (file given by --config / NOPECACHE_CONFIG)
+
+Lists (``tiers``) are a repeated flag (``--tier URL --tier URL``), a whitespace-separated
+environment value (URLs may contain commas: ``redis+cluster://a:1,b:2``) or a TOML array.
+Booleans are ``--write-through`` / ``--no-write-through``, ``1/0/true/false/yes/no/on/off``
+in the environment, and TOML booleans. Sizes take ``8GiB``, ``512MiB``, ``10MB`` or a byte
+count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tomllib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nopecache.cache_server.sizes import SizeError, format_size, parse_size
+
+__all__ = [
+    "DEFAULT_PORT",
+    "ENV_PREFIX",
+    "FRAME_OVERHEAD_BYTES",
+    "ConfigError",
+    "ServerConfig",
+    "build_parser",
+    "env_name",
+    "flag_name",
+    "load_config",
+]
+
+ENV_PREFIX = "NOPECACHE_"
+DEFAULT_PORT = 50551
+DEFAULT_METRICS_PORT = 9464
+# Room kept in every message for the non-payload fields of a frame (index, tier, sizes,
+# tier names), so that a frame with max_frame_data_bytes of data fits max_message_bytes.
+FRAME_OVERHEAD_BYTES = 4096
+# gRPC lengths are signed 32-bit.
+_GRPC_MAX_MESSAGE = (1 << 31) - 1
+_MIN_MESSAGE = 64 * 1024
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class ConfigError(ValueError):
+    """An option has an invalid value; the message names the option and its source."""
+
+
+# Kinds of option value; each converts a raw value (str from flags/env, native from TOML).
+_STR, _INT, _FLOAT, _BOOL, _SIZE, _URLS = "str", "int", "float", "bool", "size", "urls"
+
+
+def _opt(kind: str, help_text: str, metavar: str | None = None) -> dict[str, str | None]:
+    """Field metadata: how the option is parsed and its --help text."""
+    return {"kind": kind, "help": help_text, "metavar": metavar}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Configuration of one nopecache server process.
+
+    Precedence, highest first: command-line flags > ``NOPECACHE_*`` environment variables >
+    the TOML file named by ``--config`` (or ``NOPECACHE_CONFIG``) > the defaults below.
+    A source only overrides the options it sets. The defaults are the embedded mode: one
+    CPU tier of 1 GiB, gRPC on 127.0.0.1:50551, metrics on 127.0.0.1:9464.
+    """
+
+    host: str = field(
+        default="127.0.0.1",
+        metadata=_opt(_STR, "address the gRPC server binds to (0.0.0.0 for all interfaces)"),
+    )
+    port: int = field(default=DEFAULT_PORT, metadata=_opt(_INT, "gRPC port; 0 picks a free port"))
+    tiers: tuple[str, ...] = field(
+        default=("cpu://?capacity=1GiB",),
+        metadata=_opt(
+            _URLS,
+            "storage tier URL, fastest first; repeat for several (cuda://0?capacity=..., "
+            "cpu://?capacity=..., redis://host:port/db, rediss://..., redis+cluster://...)",
+            "URL",
+        ),
+    )
+    write_through: bool = field(
+        default=False,
+        metadata=_opt(_BOOL, "also write every stored block to the last tier (shared Redis)"),
+    )
+    # gRPC's own default: a client with stock channel options can talk to the server, and
+    # measured on loopback, 1-4 MiB messages move faster than 8-16 MiB ones (cache reuse).
+    max_message_bytes: int = field(
+        default=4 * 1024**2,
+        metadata=_opt(
+            _SIZE, "largest gRPC message sent or received; blocks travel in frames below it"
+        ),
+    )
+    max_block_bytes: int = field(
+        default=64 * 1024**2, metadata=_opt(_SIZE, "largest block accepted by Put")
+    )
+    max_request_bytes: int = field(
+        default=256 * 1024**2,
+        metadata=_opt(_SIZE, "largest total of block bytes in one Put stream (held until it ends)"),
+    )
+    max_keys_per_request: int = field(
+        default=65536,
+        metadata=_opt(_INT, "most keys in one Lookup/Get/Delete, or blocks in one Put"),
+    )
+    metrics: bool = field(default=True, metadata=_opt(_BOOL, "serve Prometheus metrics over HTTP"))
+    metrics_host: str = field(
+        default="127.0.0.1", metadata=_opt(_STR, "address the metrics HTTP server binds to")
+    )
+    metrics_port: int = field(
+        default=DEFAULT_METRICS_PORT,
+        metadata=_opt(_INT, "metrics HTTP port; 0 picks a free port"),
+    )
+    shutdown_grace_s: float = field(
+        default=10.0,
+        metadata=_opt(
+            _FLOAT, "seconds in-flight requests get to finish after SIGTERM/SIGINT", "SECONDS"
+        ),
+    )
+    tune_malloc: bool = field(
+        default=True,
+        metadata=_opt(
+            _BOOL,
+            "keep freed block-sized buffers in the process (glibc mallopt) instead of "
+            "returning each to the kernel: 2-3x block throughput, RSS stays at its peak",
+        ),
+    )
+    log_level: str = field(
+        default="INFO", metadata=_opt(_STR, f"log level, one of {', '.join(_LOG_LEVELS)}")
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("host", "metrics_host"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name}: must not be empty")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"{name}: must be in [0, 65535], got {value}")
+        if not self.tiers:
+            raise ConfigError("tiers: at least one tier URL is required")
+        for url in self.tiers:
+            if "://" not in url:
+                raise ConfigError(f"tiers: {url!r} is not a URL (expected scheme://...)")
+        if not _MIN_MESSAGE <= self.max_message_bytes <= _GRPC_MAX_MESSAGE:
+            raise ConfigError(
+                f"max_message_bytes: must be in [{format_size(_MIN_MESSAGE)}, "
+                f"{_GRPC_MAX_MESSAGE}], got {self.max_message_bytes}"
+            )
+        if self.max_block_bytes <= 0:
+            raise ConfigError(f"max_block_bytes: must be positive, got {self.max_block_bytes}")
+        if self.max_request_bytes < self.max_block_bytes:
+            raise ConfigError(
+                f"max_request_bytes: {self.max_request_bytes} is below max_block_bytes "
+                f"{self.max_block_bytes}; one block must fit in a request"
+            )
+        if self.max_keys_per_request <= 0:
+            raise ConfigError(
+                f"max_keys_per_request: must be positive, got {self.max_keys_per_request}"
+            )
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ConfigError(f"log_level: {self.log_level!r} is not one of {_LOG_LEVELS}")
+
+    @property
+    def max_frame_data_bytes(self) -> int:
+        """The most payload bytes one PutFrame/GetFrame carries."""
+        return self.max_message_bytes - FRAME_OVERHEAD_BYTES
+
+    @property
+    def log_level_number(self) -> int:
+        """``log_level`` as a ``logging`` level number."""
+        return int(logging.getLevelName(self.log_level.upper()))
+
+    @property
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Channel arguments both sides must share (message size limits)."""
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line flag of a ServerConfig field (``max_block_bytes`` -> ``--max-block-bytes``)."""
+    # A repeated flag reads better singular: --tier A --tier B.
+    if field_name == "tiers":
+        return "--tier"
+    return "--" + field_name.replace("_", "-")
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a ServerConfig field (``port`` -> ``NOPECACHE_PORT``)."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def _convert(kind: str, raw: Any, where: str) -> Any:
+    """A raw option value (str from flags/env, native from TOML) as the field's type."""
+    try:
+        if kind == _SIZE:
+            return parse_size(raw, field=where)
+        if kind == _URLS:
+            items: Iterable[Any] = raw.split() if isinstance(raw, str) else raw
+            urls = tuple(items)
+            if not all(isinstance(u, str) for u in urls):
+                raise ConfigError(f"{where}: expected a list of URL strings, got {raw!r}")
+            return urls
+        if kind == _BOOL:
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+                return raw.strip().lower() in _TRUE
+            raise ConfigError(f"{where}: expected a boolean (true/false), got {raw!r}")
+        if kind == _INT:
+            if isinstance(raw, bool) or not isinstance(raw, int | str):
+                raise ConfigError(f"{where}: expected an integer, got {raw!r}")
+            return int(raw)
+        if kind == _FLOAT:
+            if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+                raise ConfigError(f"{where}: expected a number, got {raw!r}")
+            return float(raw)
+        if not isinstance(raw, str):
+            raise ConfigError(f"{where}: expected a string, got {raw!r}")
+        return raw
+    except SizeError as e:
+        raise ConfigError(str(e)) from e
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where}: cannot parse {raw!r}: {e}") from e
+
+
+def _kinds() -> dict[str, str]:
+    """Field name -> option kind, for every ServerConfig field."""
+    return {f.name: f.metadata["kind"] for f in fields(ServerConfig)}
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    """The options set in a TOML file, converted."""
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config: {path} is not valid TOML: {e}") from e
+    kinds = _kinds()
+    unknown = sorted(set(data) - set(kinds))
+    if unknown:
+        raise ConfigError(
+            f"config: {path} sets unknown option(s) {unknown}; known: {sorted(kinds)}"
+        )
+    return {k: _convert(kinds[k], v, f"{k} (in {path})") for k, v in data.items()}
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """The options set in ``NOPECACHE_*`` variables, converted."""
+    out = {}
+    for name, kind in _kinds().items():
+        var = env_name(name)
+        if var in env:
+            out[name] = _convert(kind, env[var], var)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser: one flag per ServerConfig field, plus --config."""
+    parser = argparse.ArgumentParser(
+        prog="nopecache-server",
+        description="nopecache KV-block cache server (gRPC). "
+        "Precedence: flags > NOPECACHE_* environment > --config TOML file > defaults.",
+        # Unset flags must be absent from the namespace so lower-precedence sources show.
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help=f"TOML file with options named like the fields below (env {ENV_PREFIX}CONFIG)",
+    )
+    for f in fields(ServerConfig):
+        kind = f.metadata["kind"]
+        default = f.default if f.default is not MISSING else None
+        shown = format_size(default) if kind == _SIZE and isinstance(default, int) else default
+        if kind == _URLS and isinstance(default, tuple):
+            shown = " ".join(default)
+        help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default: {shown}]"
+        if kind == _BOOL:
+            parser.add_argument(
+                flag_name(f.name), action=argparse.BooleanOptionalAction, help=help_text
+            )
+        elif kind == _URLS:
+            parser.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                action="append",
+                metavar=f.metadata["metavar"],
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag_name(f.name), dest=f.name, metavar=f.metadata["metavar"], help=help_text
+            )
+    return parser
+
+
+def load_config(
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    parser_factory: Callable[[], argparse.ArgumentParser] = build_parser,
+) -> ServerConfig:
+    """Builds the ServerConfig from flags, environment and TOML file (see ServerConfig)."""
+    env = os.environ if env is None else env
+    args = vars(parser_factory().parse_args(argv))
+    config_path = args.pop("config", None)
+    if config_path is None and env.get(ENV_PREFIX + "CONFIG"):
+        config_path = Path(env[ENV_PREFIX + "CONFIG"])
+    values: dict[str, Any] = {}
+    if config_path is not None:
+        values.update(_from_toml(Path(config_path)))
+    values.update(_from_env(env))
+    kinds = _kinds()
+    values.update({k: _convert(kinds[k], v, flag_name(k)) for k, v in args.items()})
+    return ServerConfig(**values)

@@ -1,0 +1,265 @@
+"""Process entry point: build the server from a ServerConfig, run it, shut it down cleanly.
+
+``nopecache-server`` and ``python -m nopecache.cache_server`` both land in :func:`main`.
+What one server process runs::
+
+    grpc.aio server (host:port)          metrics HTTP exporter (metrics_host:metrics_port)
+      nopecache.v1.KVCache  ──> TieredStore ──> tiers (cuda / cpu / redis)
+      grpc.health.v1.Health     ^  observer: ServerMetrics
+      reflection                |
+    tier monitor task ──────────┘  every few seconds: stats -> gauges + per-tier health
+
+Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, the gRPC server stops accepting
+and gives in-flight RPCs ``shutdown_grace_s`` to finish, then the store is closed (Redis
+connections) and the exporter stopped. The exit status is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lack aio
+from grpc_reflection.v1alpha import reflection
+
+from nopecache.cache_server.config import ConfigError, ServerConfig, load_config
+from nopecache.cache_server.metrics import MetricsEndpoint, ServerMetrics
+from nopecache.cache_server.service import (
+    SERVICE_NAME,
+    ContextResolver,
+    KVCacheService,
+    add_to_server,
+    default_context,
+    server_version,
+)
+from nopecache.cache_server.store import TieredStore
+from nopecache.cache_server.tiers import TierError, redact_url
+
+__all__ = ["RunningServer", "main", "serve", "start_server", "tier_health_name", "tune_malloc"]
+
+# How often tier statistics are refreshed into the gauges and the health service.
+DEFAULT_MONITOR_INTERVAL_S = 2.0
+
+log = logging.getLogger("nopecache.cache_server")
+
+
+def tune_malloc() -> bool:
+    """Make glibc keep freed block-sized buffers for reuse; True if it took effect.
+
+    Every block in or out allocates and frees a buffer of its size (gRPC message bytes,
+    tier reads, frames). By default glibc serves such sizes with mmap and returns them
+    with munmap, so each new buffer page-faults its way in (measured: 8 MiB blocks moved
+    2-3x slower than the transport allows). With a fixed mmap threshold above the largest
+    frame and a high trim threshold, freed buffers stay in the heap and are reused. The
+    cost: RSS does not shrink after a burst (it stays at the peak of in-flight buffers).
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    # 32 MiB is the largest mmap threshold glibc accepts on 64-bit.
+    return bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(
+        mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+    )
+
+
+def tier_health_name(tier: str) -> str:
+    """The health-service name that reports one tier (``nopecache.v1.KVCache/tier/redis``)."""
+    return f"{SERVICE_NAME}/tier/{tier}"
+
+
+@dataclass(slots=True)
+class RunningServer:
+    """A started server; ``stop()`` shuts it down gracefully."""
+
+    config: ServerConfig
+    port: int
+    server: grpc.aio.Server
+    store: TieredStore
+    metrics: ServerMetrics
+    service: KVCacheService
+    health: health_aio.HealthServicer
+    metrics_endpoint: MetricsEndpoint | None
+    _monitor: asyncio.Task[None] | None = field(default=None, repr=False)
+    _stopped: bool = False
+
+    @property
+    def address(self) -> str:
+        """``host:port`` clients connect to."""
+        return f"{self.config.host}:{self.port}"
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let in-flight RPCs finish within the grace, close the store."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        try:
+            await self.store.close()
+        finally:
+            if self.metrics_endpoint is not None:
+                # The exporter's shutdown waits up to its 0.5 s poll; keep it off the loop.
+                await asyncio.to_thread(self.metrics_endpoint.close)
+
+    async def refresh_tiers(self) -> None:
+        """Read tier statistics once: update the gauges and the health statuses."""
+        stats = await self.store.stats()
+        self.metrics.set_tier_stats(stats)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        for s in stats:
+            await self.health.set(tier_health_name(s.name), serving if s.healthy else not_serving)
+        any_up = any(s.healthy for s in stats)
+        await self.health.set(SERVICE_NAME, serving if any_up else not_serving)
+
+    async def _monitor_loop(self, interval_s: float) -> None:
+        """Refresh tier statistics every ``interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh_tiers()
+            except Exception:  # a failed probe must not end monitoring; the tier says why
+                log.exception("tier statistics refresh failed")
+
+
+async def start_server(
+    config: ServerConfig,
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    resolve_context: ContextResolver = default_context,
+    credentials: grpc.ServerCredentials | None = None,
+    monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S,
+) -> RunningServer:
+    """Build the store, the servicers and the metrics exporter from ``config`` and start them.
+
+    ``interceptors`` (auth, tenancy), ``resolve_context`` and ``credentials`` (TLS) are the
+    hooks for the security layer; by default the port is plaintext and unauthenticated,
+    which is why the default host is loopback.
+    """
+    metrics = ServerMetrics(version=server_version())
+    store = TieredStore.from_urls(
+        config.tiers, write_through=config.write_through, observer=metrics
+    )
+    endpoint: MetricsEndpoint | None = None
+    try:
+        service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
+        server = grpc.aio.server(
+            interceptors=list(interceptors),
+            options=[
+                *config.grpc_options,
+                # Fail loudly if another process holds the port instead of sharing it.
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        add_to_server(service, server)
+        health_servicer = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            [
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
+        target = f"{config.host}:{config.port}"
+        if credentials is None:
+            port = server.add_insecure_port(target)
+        else:
+            port = server.add_secure_port(target, credentials)
+        if config.metrics:
+            endpoint = metrics.serve(config.metrics_host, config.metrics_port)
+        await server.start()
+    except BaseException:
+        await store.close()
+        if endpoint is not None:
+            endpoint.close()
+        raise
+    running = RunningServer(
+        config=config,
+        port=port,
+        server=server,
+        store=store,
+        metrics=metrics,
+        service=service,
+        health=health_servicer,
+        metrics_endpoint=endpoint,
+    )
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await running.refresh_tiers()
+    running._monitor = asyncio.create_task(running._monitor_loop(monitor_interval_s))
+    return running
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run a server until SIGTERM/SIGINT, then shut it down gracefully; the exit status."""
+    if config.tune_malloc and not tune_malloc():
+        log.info("tune_malloc: not glibc, allocator left as it is")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    running = await start_server(config)
+    metrics_at = (
+        f"{config.metrics_host}:{running.metrics_endpoint.port}"
+        if running.metrics_endpoint is not None
+        else "off"
+    )
+    log.info(
+        "nopecache-server %s listening on %s (metrics %s; tiers %s)",
+        server_version(),
+        running.address,
+        metrics_at,
+        " ".join(redact_url(u) for u in config.tiers),
+    )
+    await stop.wait()
+    log.info("shutting down: finishing in-flight requests (grace %.1fs)", config.shutdown_grace_s)
+    await running.stop()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``nopecache-server`` command line: parse the config, serve, return the exit status."""
+    try:
+        config = load_config(argv)
+    except ConfigError as e:
+        print(f"nopecache-server: {e}", file=sys.stderr)
+        return 2
+    # One `_created` gauge per counter doubles the exposition for no dashboard use.
+    prometheus_client.disable_created_metrics()
+    logging.basicConfig(
+        level=config.log_level_number,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(serve(config))
+    except (TierError, ValueError) as e:
+        # A tier URL that parses as a URL but not as a tier (bad capacity, unknown scheme).
+        print(f"nopecache-server: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

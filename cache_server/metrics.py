@@ -1,0 +1,273 @@
+"""Prometheus metrics of one server: store events, tier gauges, request latency, rejections.
+
+Every metric lives in a registry owned by the :class:`ServerMetrics` instance (not the
+process-global one), so several servers can run in one process (tests) without clashing.
+``METRIC_NAMES`` lists the exposed family names; dashboards and manifests are checked
+against it.
+
+Exposed families (counters carry Prometheus' ``_total`` suffix)::
+
+    nopecache_hits_total{tier}                      blocks served, by the tier that had them
+    nopecache_misses_total                          keys found in no tier
+    nopecache_evictions_total{tier}                 blocks dropped from a tier (last tier: lost)
+    nopecache_demotions_total{from_tier,to_tier}    blocks moved down on eviction
+    nopecache_promotions_total{from_tier,to_tier}   blocks moved up on a hit
+    nopecache_tier_used_bytes{tier}                 bytes stored per tier
+    nopecache_tier_capacity_bytes{tier}             configured capacity (absent when unbounded)
+    nopecache_tier_entries{tier}                    blocks stored per tier
+    nopecache_tier_healthy{tier}                    1 when the tier answers, 0 otherwise
+    nopecache_request_duration_seconds{method}      RPC latency histogram
+    nopecache_requests_rejected_total{method,reason}  refused requests and blocks
+    nopecache_put_blocks_total{outcome}             Put results: stored / already_present / rejected
+    nopecache_put_bytes_total                       block bytes received by Put
+    nopecache_get_bytes_total                       block bytes sent by Get
+    nopecache_server_info{version}                  constant 1, labelled with the version
+
+Concurrency: the store calls the observer methods from the event loop thread; the HTTP
+exporter reads from its own thread. prometheus-client values are lock-protected, and the
+per-label children are cached in plain dicts that only the event loop thread writes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+
+__all__ = ["METHODS", "METRIC_NAMES", "MetricsEndpoint", "ServerMetrics", "TierSnapshot"]
+
+METHODS = ("Lookup", "Put", "Get", "Delete", "Stats")
+
+METRIC_NAMES = (
+    "nopecache_hits_total",
+    "nopecache_misses_total",
+    "nopecache_evictions_total",
+    "nopecache_demotions_total",
+    "nopecache_promotions_total",
+    "nopecache_tier_used_bytes",
+    "nopecache_tier_capacity_bytes",
+    "nopecache_tier_entries",
+    "nopecache_tier_healthy",
+    "nopecache_request_duration_seconds",
+    "nopecache_requests_rejected_total",
+    "nopecache_put_blocks_total",
+    "nopecache_put_bytes_total",
+    "nopecache_get_bytes_total",
+    "nopecache_server_info",
+)
+
+# Loopback RPCs take ~100 µs; a Get of many 8 MiB blocks takes seconds.
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+class TierSnapshot(Protocol):
+    """What the metrics need from a tier's statistics (TierStats has these fields)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def capacity_bytes(self) -> int | None: ...
+    @property
+    def entries(self) -> int: ...
+    @property
+    def healthy(self) -> bool: ...
+
+
+class _Child(Protocol):
+    """A labelled counter/gauge child."""
+
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class ServerMetrics:
+    """The metrics of one server; implements the store's StoreObserver protocol."""
+
+    def __init__(self, *, version: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._hits = Counter(
+            "nopecache_hits", "Blocks served, by the tier that held them", ["tier"], registry=r
+        )
+        self._misses = Counter("nopecache_misses", "Keys found in no tier", registry=r)
+        self._evictions = Counter(
+            "nopecache_evictions",
+            "Blocks evicted from a tier (from the last tier they are gone)",
+            ["tier"],
+            registry=r,
+        )
+        self._demotions = Counter(
+            "nopecache_demotions",
+            "Blocks moved to the next tier on eviction",
+            ["from_tier", "to_tier"],
+            registry=r,
+        )
+        self._promotions = Counter(
+            "nopecache_promotions",
+            "Blocks moved to a faster tier on a hit",
+            ["from_tier", "to_tier"],
+            registry=r,
+        )
+        self._used = Gauge(
+            "nopecache_tier_used_bytes", "Bytes stored in a tier", ["tier"], registry=r
+        )
+        self._capacity = Gauge(
+            "nopecache_tier_capacity_bytes",
+            "Configured byte capacity of a tier",
+            ["tier"],
+            registry=r,
+        )
+        self._entries = Gauge(
+            "nopecache_tier_entries", "Blocks stored in a tier", ["tier"], registry=r
+        )
+        self._healthy = Gauge(
+            "nopecache_tier_healthy",
+            "1 when the tier answers, 0 when it does not",
+            ["tier"],
+            registry=r,
+        )
+        self._latency = Histogram(
+            "nopecache_request_duration_seconds",
+            "Time to serve an RPC, by method",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._rejected = Counter(
+            "nopecache_requests_rejected",
+            "Requests (or single Put blocks) refused, by method and reason",
+            ["method", "reason"],
+            registry=r,
+        )
+        self._put_blocks = Counter(
+            "nopecache_put_blocks", "Put results per block, by outcome", ["outcome"], registry=r
+        )
+        self._put_bytes = Counter("nopecache_put_bytes", "Block bytes received by Put", registry=r)
+        self._get_bytes = Counter("nopecache_get_bytes", "Block bytes sent by Get", registry=r)
+        Gauge(
+            "nopecache_server_info",
+            "Constant 1, labelled with the server version",
+            ["version"],
+            registry=r,
+        ).labels(version).set(1)
+        # Resolving a labelled child costs a lock and a tuple hash; hits are counted per
+        # block on the data path, so the children are looked up once and kept here.
+        self._hit_children: dict[str, _Child] = {}
+        self._eviction_children: dict[str, _Child] = {}
+        self._move_children: dict[tuple[str, str, str], _Child] = {}
+        self.latency = {m: self._latency.labels(m) for m in METHODS}
+
+    # -- StoreObserver -------------------------------------------------------------------
+    def on_hit(self, tier: str) -> None:
+        """A block was served from ``tier``."""
+        child = self._hit_children.get(tier)
+        if child is None:
+            child = self._hit_children[tier] = self._hits.labels(tier)
+        child.inc()
+
+    def on_miss(self) -> None:
+        """A key was found in no tier."""
+        self._misses.inc()
+
+    def on_eviction(self, tier: str) -> None:
+        """A block left ``tier`` to make room."""
+        child = self._eviction_children.get(tier)
+        if child is None:
+            child = self._eviction_children[tier] = self._evictions.labels(tier)
+        child.inc()
+
+    def on_demotion(self, src: str, dst: str) -> None:
+        """A block evicted from ``src`` was moved to ``dst``."""
+        self._move("demotion", src, dst).inc()
+
+    def on_promotion(self, src: str, dst: str) -> None:
+        """A block hit in ``src`` was copied up to ``dst``."""
+        self._move("promotion", src, dst).inc()
+
+    def on_tier_health(self, tier: str, healthy: bool) -> None:
+        """``tier`` became healthy or unhealthy."""
+        self._healthy.labels(tier).set(1 if healthy else 0)
+
+    def _move(self, kind: str, src: str, dst: str) -> _Child:
+        child = self._move_children.get((kind, src, dst))
+        if child is None:
+            family = self._demotions if kind == "demotion" else self._promotions
+            child = self._move_children[(kind, src, dst)] = family.labels(src, dst)
+        return child
+
+    # -- server events -------------------------------------------------------------------
+    def rejected(self, method: str, reason: str) -> None:
+        """A request (or one Put block) was refused for ``reason`` (a short snake_case tag)."""
+        self._rejected.labels(method, reason).inc()
+
+    def put_outcome(self, outcome: str, count: int = 1) -> None:
+        """``count`` Put blocks ended as ``outcome`` (stored / already_present / rejected)."""
+        self._put_blocks.labels(outcome).inc(count)
+
+    def put_bytes(self, n: int) -> None:
+        """Put received ``n`` block bytes."""
+        self._put_bytes.inc(n)
+
+    def get_bytes(self, n: int) -> None:
+        """Get sent ``n`` block bytes."""
+        self._get_bytes.inc(n)
+
+    def set_tier_stats(self, stats: Sequence[TierSnapshot]) -> None:
+        """Refresh the per-tier gauges from a stats snapshot."""
+        for s in stats:
+            self._used.labels(s.name).set(s.used_bytes)
+            if s.capacity_bytes is not None:
+                self._capacity.labels(s.name).set(s.capacity_bytes)
+            self._entries.labels(s.name).set(s.entries)
+            self._healthy.labels(s.name).set(1 if s.healthy else 0)
+
+    def exposition(self) -> bytes:
+        """The current metrics in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def serve(self, host: str, port: int) -> MetricsEndpoint:
+        """Start the HTTP exporter on ``host:port`` (0: a free port) in a daemon thread."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        return MetricsEndpoint(
+            host=host, port=int(server.server_port), _server=server, _thread=thread
+        )
+
+
+@dataclass(slots=True)
+class MetricsEndpoint:
+    """A running metrics HTTP exporter."""
+
+    host: str
+    port: int
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        """Stop the exporter and release its port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()

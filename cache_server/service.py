@@ -1,0 +1,592 @@
+"""The ``nopecache.v1.KVCache`` gRPC servicer (grpc.aio) over a TieredStore.
+
+Wire rules (see proto/cache.proto):
+
+* Keys travel packed: one ``bytes`` of concatenated 16-byte keys, split here with one
+  numpy call instead of a Python loop over slices. Lookup answers one byte per key.
+* Blocks travel in frames of at most ``max_frame_data_bytes``; a frame with a key starts a
+  block, frames without one continue it.
+* The two block-carrying messages, PutFrame (in) and GetFrame (out), bypass the protobuf
+  runtime: upb builds a fresh encode buffer per message and grows it by doubling, which
+  costs milliseconds per MiB, several times the transport itself. They are encoded and
+  decoded here (standard protobuf wire format, checked against the generated classes by
+  tests) with one copy out and zero copies in. Everything else uses the generated code.
+
+Put semantics (what a client may rely on):
+
+* Every block is checked before anything is stored: ``proto.block.validate`` (structure,
+  size, both checksums) and the frame's key against the header's key. A block that fails
+  is answered ``REJECTED`` with ``INVALID_ARGUMENT`` and a reason naming the field; a block
+  no tier can hold is ``REJECTED`` with ``RESOURCE_EXHAUSTED``. Other blocks of the same
+  stream are unaffected: each block is independent (keys are content hashes, so a retry
+  of the good ones is idempotent).
+* Blocks are held until the stream ends cleanly and only then stored. A stream aborted
+  for broken framing (``INVALID_ARGUMENT``) or a request limit (``RESOURCE_EXHAUSTED``), or
+  cancelled by the client, stores nothing at all. ``max_request_bytes`` bounds what one
+  stream holds.
+
+Extension points: ``resolve_context`` turns each call into a :class:`RequestContext`
+(peer now; the tenant once auth lands), and interceptors are passed to the server by
+``main.start_server``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import NoReturn
+
+import grpc
+import numpy as np
+
+from nopecache.cache_server.config import ServerConfig
+from nopecache.cache_server.metrics import ServerMetrics
+from nopecache.cache_server.store import BlobTooLargeError, PutOutcome, TieredStore
+from nopecache.cache_server.tiers import redact_url
+from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.block import KEY_BYTES, BlockError, validate
+
+__all__ = [
+    "API_VERSION",
+    "SERVICE_NAME",
+    "ContextResolver",
+    "KVCacheService",
+    "RequestContext",
+    "WireError",
+    "add_to_server",
+    "decode_put_frame",
+    "encode_get_frame",
+    "encode_varint",
+    "host_id",
+    "server_version",
+]
+
+API_VERSION = 1
+SERVICE_NAME = "nopecache.v1.KVCache"
+# Keys fetched from the store per step of a Get stream: up to GET_WINDOW_KEYS (to batch a
+# Redis round trip for small blocks), fewer once blocks turn out large, so that one stream
+# holds about GET_WINDOW_BYTES of blocks at a time (and a block is framed while its bytes
+# are still in cache, not after seven others were read).
+GET_WINDOW_KEYS = 8
+GET_WINDOW_BYTES = 8 * 1024 * 1024
+_KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """Who is calling: resolved once per RPC (auth and tenancy fill in more later)."""
+
+    peer: str
+
+
+ContextResolver = Callable[[grpc.aio.ServicerContext], RequestContext]
+
+
+def default_context(context: grpc.aio.ServicerContext) -> RequestContext:
+    """The RequestContext of an unauthenticated call: only the peer address."""
+    return RequestContext(peer=context.peer())
+
+
+def server_version() -> str:
+    """The installed nopecache package version."""
+    try:
+        return metadata.version("nopecache")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def host_id() -> str:
+    """Hostname plus kernel boot id: equal only for processes that can share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+# -- wire codec of the block frames ----------------------------------------------------------
+class WireError(ValueError):
+    """A message is not valid protobuf wire format for its type; names the field."""
+
+
+def encode_varint(value: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative int."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: bytes, pos: int, field: str) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it."""
+    result = shift = 0
+    end = len(buf)
+    while shift < 70:
+        if pos >= end:
+            raise WireError(f"{field}: message ends inside a varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+    raise WireError(f"{field}: varint longer than 10 bytes")
+
+
+def encode_get_frame(
+    index: int, tier: int, total_size: int, data: bytes | memoryview, tier_names: Sequence[bytes]
+) -> bytes:
+    """A GetFrame in protobuf wire format (fields in number order, zero values omitted,
+    byte-identical to ``GetFrame.SerializeToString``) with ``data`` copied once."""
+    head = bytearray()
+    if index:
+        head += b"\x08" + encode_varint(index)
+    if tier:
+        head += b"\x10" + encode_varint(tier)
+    if total_size:
+        head += b"\x18" + encode_varint(total_size)
+    n = len(data)
+    if n:
+        head += b"\x22" + encode_varint(n)
+    if not tier_names:
+        return b"".join((head, data))
+    tail = b"".join(b"\x2a" + encode_varint(len(name)) + name for name in tier_names)
+    return b"".join((head, data, tail))
+
+
+def decode_put_frame(raw: bytes) -> tuple[bytes, int, memoryview]:
+    """(key, total_size, data) of a PutFrame in wire format; ``data`` is a view of ``raw``.
+
+    Follows protobuf parsing rules: the last occurrence of a field wins, unknown fields
+    (including the reserved 8-15) are skipped. Raises WireError for malformed input.
+    """
+    view = memoryview(raw)
+    key, total_size, data = b"", 0, view[0:0]
+    pos, end = 0, len(raw)
+    while pos < end:
+        tag, pos = _read_varint(raw, pos, "PutFrame")
+        field, wire = tag >> 3, tag & 7
+        name = {1: "PutFrame.key", 2: "PutFrame.total_size", 3: "PutFrame.data"}.get(
+            field, f"PutFrame field {field}"
+        )
+        if field == 0:
+            raise WireError("PutFrame: field number 0 is invalid")
+        if wire == 0:
+            value, pos = _read_varint(raw, pos, name)
+            if field == 2:
+                total_size = value
+            elif field in (1, 3):
+                raise WireError(f"{name}: expected length-delimited bytes, got a varint")
+        elif wire == 2:
+            length, pos = _read_varint(raw, pos, name)
+            stop = pos + length
+            if stop > end:
+                raise WireError(f"{name}: length {length} runs past the end of the message")
+            if field == 1:
+                key = raw[pos:stop]
+            elif field == 3:
+                data = view[pos:stop]
+            elif field == 2:
+                raise WireError(f"{name}: expected a varint, got length-delimited bytes")
+            pos = stop
+        elif wire in (1, 5) and field > 3:
+            pos += 8 if wire == 1 else 4
+        else:
+            raise WireError(f"{name}: unsupported wire type {wire}")
+    if pos != end:
+        raise WireError("PutFrame: the last field runs past the end of the message")
+    return key, total_size, data
+
+
+# -- request handling ------------------------------------------------------------------------
+class _Rejected(Exception):
+    """A request-level refusal raised inside a handler; turned into an abort."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+
+
+def _bad_framing(message: str) -> _Rejected:
+    return _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "bad_framing", message)
+
+
+class _PartialBlock:
+    """A block whose frames are still arriving: views of the frame messages, joined once
+    the last one is in (one copy, and no zero-filled buffer written first)."""
+
+    __slots__ = ("filled", "key", "parts", "position", "total_size")
+
+    def __init__(self, key: bytes, total_size: int, first: memoryview, position: int) -> None:
+        self.key = key
+        self.position = position
+        self.total_size = total_size
+        self.parts = [first]
+        self.filled = len(first)
+
+    def add(self, data: memoryview) -> bool:
+        """Append one frame's data; True once the block is complete."""
+        end = self.filled + len(data)
+        if end > self.total_size:
+            raise _bad_framing(
+                f"PutFrame.data: block #{self.position} got {end} bytes, more than its "
+                f"total_size {self.total_size}"
+            )
+        self.parts.append(data)
+        self.filled = end
+        return end == self.total_size
+
+    def blob(self) -> bytes:
+        """The complete block."""
+        return b"".join(self.parts)
+
+
+Staged = list[tuple[int, bytes, memoryview | bytes]]
+
+
+class KVCacheService:
+    """Serves Lookup/Put/Get/Delete/Stats from a TieredStore, enforcing the config's limits.
+
+    Register it with :func:`add_to_server` (Put and Get use the frame codec above, so the
+    generated ``add_KVCacheServicer_to_server`` does not fit).
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        config: ServerConfig,
+        metrics: ServerMetrics,
+        *,
+        resolve_context: ContextResolver = default_context,
+    ) -> None:
+        self._store = store
+        self._config = config
+        self._metrics = metrics
+        self._resolve = resolve_context
+        self._tier_names = [t.name for t in store.tiers]
+        self._encoded_names = [n.encode() for n in self._tier_names]
+        # Code 0 is a miss; tier i answers i + 1 (index into the reply's tier_names).
+        self._codes: dict[str | None, int] = {None: 0}
+        self._codes.update({name: i + 1 for i, name in enumerate(self._tier_names)})
+        self._info = pb.ServerInfo(
+            version=server_version(),
+            api_version=API_VERSION,
+            host_id=host_id(),
+            tier_names=self._tier_names,
+            limits=pb.Limits(
+                max_message_bytes=config.max_message_bytes,
+                max_frame_data_bytes=config.max_frame_data_bytes,
+                max_block_bytes=config.max_block_bytes,
+                max_request_bytes=config.max_request_bytes,
+                max_keys_per_request=config.max_keys_per_request,
+                key_bytes=KEY_BYTES,
+            ),
+        )
+
+    @property
+    def server_info(self) -> pb.ServerInfo:
+        """What Stats reports about this server (version, limits, tiers)."""
+        return self._info
+
+    def _split_keys(self, packed: bytes, field: str) -> list[bytes]:
+        """The 16-byte keys of a packed key field; raises _Rejected when malformed/too many."""
+        if len(packed) % KEY_BYTES:
+            raise _Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "bad_keys",
+                f"{field}: {len(packed)} bytes is not a multiple of the {KEY_BYTES}-byte key",
+            )
+        count = len(packed) // KEY_BYTES
+        if count > self._config.max_keys_per_request:
+            raise _Rejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "too_many_keys",
+                f"{field}: {count} keys exceeds max_keys_per_request "
+                f"{self._config.max_keys_per_request}",
+            )
+        keys: list[bytes] = np.frombuffer(packed, dtype=_KEY_DTYPE).tolist()
+        return keys
+
+    async def _abort(
+        self, context: grpc.aio.ServicerContext, method: str, rejected: _Rejected
+    ) -> NoReturn:
+        """Count, log and abort the RPC with the rejection's status."""
+        self._metrics.rejected(method, rejected.reason)
+        peer = self._resolve(context).peer
+        # DEBUG, not INFO: a misbehaving client must not be able to flood the log; the
+        # rejection counter is the operational signal.
+        log.debug(
+            "%s from %s rejected (%s): %s", method, peer, rejected.code.name, rejected.message
+        )
+        await context.abort(rejected.code, rejected.message)
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    # -- RPCs ----------------------------------------------------------------------------
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupReply:
+        """Which keys exist and in which tier (one byte per key)."""
+        with self._metrics.latency["Lookup"].time():
+            try:
+                keys = self._split_keys(request.keys, "LookupRequest.keys")
+            except _Rejected as r:
+                await self._abort(context, "Lookup", r)
+            names = await self._store.lookup(keys)
+            return pb.LookupReply(
+                tiers=bytes(map(self._codes.__getitem__, names)), tier_names=self._tier_names
+            )
+
+    async def Put(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> pb.PutReply:
+        """Receives a stream of framed blocks, validates each, stores them at stream end."""
+        with self._metrics.latency["Put"].time():
+            try:
+                results, staged = await self._receive(request_iterator)
+            except _Rejected as r:
+                await self._abort(context, "Put", r)
+            stored_bytes = 0
+            for position, key, blob in staged:
+                results[position] = await self._store_block(key, blob)
+                stored_bytes += len(blob)
+            self._metrics.put_bytes(stored_bytes)
+            return pb.PutReply(results=results)
+
+    async def _receive(self, frames: AsyncIterator[bytes]) -> tuple[list[pb.PutResult], Staged]:
+        """Reassemble and validate the blocks of a Put stream.
+
+        Returns one result slot per block (filled for rejected blocks, placeholders for the
+        valid ones) and the valid blocks as (position, key, blob), none of them stored yet.
+        """
+        config = self._config
+        results: list[pb.PutResult] = []
+        staged: Staged = []
+        partial: _PartialBlock | None = None
+        request_bytes = 0
+        async for raw in frames:
+            try:
+                key, size, data = decode_put_frame(raw)
+            except WireError as e:
+                raise _bad_framing(str(e)) from e
+            if not key:
+                if partial is None:
+                    raise _bad_framing(
+                        "PutFrame.key: the first frame of a block must carry its key"
+                    )
+                if partial.add(data):
+                    self._check_block(partial.key, memoryview(partial.blob()), results, staged)
+                    partial = None
+                continue
+            position = len(results)
+            if partial is not None:
+                raise _bad_framing(
+                    f"PutFrame.key: block #{position} started before block #{partial.position} "
+                    f"was complete ({partial.filled} of {partial.total_size} bytes)"
+                )
+            if len(key) != KEY_BYTES:
+                raise _bad_framing(
+                    f"PutFrame.key: block #{position} key is {len(key)} bytes, not {KEY_BYTES}"
+                )
+            if position >= config.max_keys_per_request:
+                raise _Rejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "too_many_keys",
+                    f"PutFrame.key: more than max_keys_per_request "
+                    f"{config.max_keys_per_request} blocks in one Put",
+                )
+            if size == 0:
+                raise _bad_framing(
+                    f"PutFrame.total_size: block #{position} must give its size (> 0)"
+                )
+            if size > config.max_block_bytes:
+                raise _Rejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "block_too_large",
+                    f"PutFrame.total_size: block #{position} is {size} bytes, over "
+                    f"max_block_bytes {config.max_block_bytes}",
+                )
+            request_bytes += size
+            if request_bytes > config.max_request_bytes:
+                raise _Rejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "request_too_large",
+                    f"PutFrame.total_size: the stream's blocks add up to {request_bytes} bytes, "
+                    f"over max_request_bytes {config.max_request_bytes}",
+                )
+            results.append(pb.PutResult(key=key))
+            if len(data) == size:
+                # The common case, a block in one frame: kept as a view of the message.
+                self._check_block(key, data, results, staged)
+            elif len(data) > size:
+                raise _bad_framing(
+                    f"PutFrame.data: block #{position} got {len(data)} bytes, more than its "
+                    f"total_size {size}"
+                )
+            else:
+                partial = _PartialBlock(key, size, data, position)
+        if partial is not None:
+            raise _bad_framing(
+                f"PutFrame.data: the stream ended inside block #{partial.position} "
+                f"({partial.filled} of {partial.total_size} bytes)"
+            )
+        return results, staged
+
+    def _check_block(
+        self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
+    ) -> None:
+        """Validate one complete block: stage it, or fill its result with the rejection."""
+        position = len(results) - 1
+        try:
+            header = validate(blob)
+        except BlockError as e:
+            reason = f"block #{position}: {e}"
+        else:
+            if header.key == key:
+                staged.append((position, key, blob))
+                return
+            reason = (
+                f"block #{position}: key: PutFrame.key {key.hex()} does not match the block "
+                f"header's key {header.key.hex()}"
+            )
+        self._metrics.rejected("Put", "invalid_block")
+        results[position] = self._rejection(key, grpc.StatusCode.INVALID_ARGUMENT, reason)
+
+    def _rejection(self, key: bytes, code: grpc.StatusCode, reason: str) -> pb.PutResult:
+        """The result of a rejected block (counted by outcome)."""
+        self._metrics.put_outcome("rejected")
+        return pb.PutResult(
+            key=key, outcome=pb.PUT_OUTCOME_REJECTED, code=code.value[0], reason=reason
+        )
+
+    async def _store_block(self, key: bytes, blob: memoryview | bytes) -> pb.PutResult:
+        """Store one validated block and describe the outcome."""
+        try:
+            outcome = await self._store.put(key, blob)
+        except BlobTooLargeError as e:
+            self._metrics.rejected("Put", "no_tier_fits")
+            return self._rejection(key, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        if outcome is PutOutcome.STORED:
+            self._metrics.put_outcome("stored")
+            return pb.PutResult(key=key, outcome=pb.PUT_OUTCOME_STORED)
+        if outcome is PutOutcome.ALREADY_PRESENT:
+            self._metrics.put_outcome("already_present")
+            return pb.PutResult(key=key, outcome=pb.PUT_OUTCOME_ALREADY_PRESENT)
+        self._metrics.rejected("Put", "tier_unavailable")
+        return self._rejection(
+            key,
+            grpc.StatusCode.UNAVAILABLE,
+            "tiers: every tier that can hold this block is unreachable",
+        )
+
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """Streams each requested block (or a miss entry) in request order, as encoded
+        GetFrames (see encode_get_frame)."""
+        with self._metrics.latency["Get"].time():
+            try:
+                keys = self._split_keys(request.keys, "GetRequest.keys")
+            except _Rejected as r:
+                await self._abort(context, "Get", r)
+            limit = self._config.max_frame_data_bytes
+            codes = self._codes
+            names: Sequence[bytes] = self._encoded_names
+            sent = hits = 0
+            start, window = 0, GET_WINDOW_KEYS
+            while start < len(keys):
+                found = await self._store.get_many(keys[start : start + window])
+                for index, item in enumerate(found, start):
+                    if item is None:
+                        yield encode_get_frame(index, 0, 0, b"", names)
+                        names = ()
+                        continue
+                    blob, tier = item
+                    size = len(blob)
+                    sent += size
+                    view = memoryview(blob)
+                    yield encode_get_frame(index, codes[tier], size, view[:limit], names)
+                    names = ()
+                    for offset in range(limit, size, limit):
+                        yield encode_get_frame(index, 0, 0, view[offset : offset + limit], ())
+                    hits += 1
+                start += len(found)
+                if sent:
+                    window = max(1, min(GET_WINDOW_KEYS, GET_WINDOW_BYTES * hits // sent))
+            self._metrics.get_bytes(sent)
+
+    async def Delete(
+        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteReply:
+        """Removes the keys from every tier."""
+        with self._metrics.latency["Delete"].time():
+            try:
+                keys = self._split_keys(request.keys, "DeleteRequest.keys")
+            except _Rejected as r:
+                await self._abort(context, "Delete", r)
+            return pb.DeleteReply(deleted=await self._store.delete(keys))
+
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsReply:
+        """Per-tier statistics plus server version and limits."""
+        with self._metrics.latency["Stats"].time():
+            stats = await self._store.stats()
+            self._metrics.set_tier_stats(stats)
+            return pb.StatsReply(
+                server=self._info,
+                tiers=[
+                    pb.TierStats(
+                        name=s.name,
+                        url=redact_url(s.url),
+                        used_bytes=s.used_bytes,
+                        capacity_bytes=s.capacity_bytes or 0,
+                        entries=s.entries,
+                        healthy=s.healthy,
+                    )
+                    for s in stats
+                ],
+            )
+
+
+def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
+    """Register ``service`` as nopecache.v1.KVCache on ``server``.
+
+    Like the generated ``add_KVCacheServicer_to_server``, except that Put receives raw
+    frame bytes and Get yields encoded frames (no protobuf (de)serializer on the data path).
+    """
+    handlers = {
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            service.Lookup,
+            request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=pb.LookupReply.SerializeToString,
+        ),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            service.Put, response_serializer=pb.PutReply.SerializeToString
+        ),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            service.Get, request_deserializer=pb.GetRequest.FromString
+        ),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            service.Delete,
+            request_deserializer=pb.DeleteRequest.FromString,
+            response_serializer=pb.DeleteReply.SerializeToString,
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats,
+            request_deserializer=pb.StatsRequest.FromString,
+            response_serializer=pb.StatsReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    # Registered methods skip the generic-handler lookup per call (what generated code does).
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
