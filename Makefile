@@ -37,7 +37,7 @@ lint: venv
 
 typecheck: venv $(TYPECHECK)
 	$(BIN)/mypy -p nopecache.kernels -p nopecache.client -p nopecache.proto -p nopecache.cache_server
-	$(BIN)/mypy tests examples $(wildcard bench/*.py)
+	$(BIN)/mypy tests examples deploy/healthcheck.py $(wildcard bench/*.py)
 
 test: venv redis-server lint typecheck
 	$(BIN)/python -m pytest
