@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["redis_procs"]
+pytest_plugins = ["redis_procs", "server_procs"]
 
 # The interpreter must be chosen before any module defining a Triton kernel is imported.
 if not torch.cuda.is_available():
