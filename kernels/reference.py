@@ -1,0 +1,358 @@
+"""Plain-torch RoPE kernels: the reference the Triton kernels are tested against, and the
+implementation ``nopecache.kernels.api`` runs for CPU tensors.
+
+Arguments are assumed valid (``api`` validates before calling in here); the semantics,
+including how the attention scaling factor is applied, are documented in ``api``.
+
+Speed on the CPU comes from these choices:
+
+* cos/sin are computed once per call, in fp32, for the token positions only, and shared
+  by every head and every layer (a broadcast, not a copy per head);
+* tokens are processed in chunks whose fp32 scratch (2 x 2 MiB) stays in the CPU caches, so
+  the elementwise passes over a chunk read cache, not DRAM, and no temporary is allocated
+  per chunk;
+* neox K is rotated as ``(x1, x2) * c`` (one op, ``c`` broadcast over heads and both
+  halves) plus ``-x2 * s`` and ``x1 * s`` added to each half (views, no swapped copy of
+  the row, no duplicated tables); gptj K, whose pairs are adjacent, is one in-place
+  complex multiplication of the scratch viewed as complex64;
+* rotated rows reach scattered cache slots a whole block at a time where the slot
+  mapping allows, through numpy's row-wise fancy assignment (see ``_SlotWriter``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from nopecache.kernels.rope_spec import RopeSpec
+
+if TYPE_CHECKING:
+    from nopecache.kernels.api import Positions
+
+CHUNK_ELEMENTS = 1 << 19
+"""Rotated elements per chunk of tokens (2 MiB of fp32 per scratch buffer: cache-resident,
+and few enough ops per call that per-op overhead and thread wake-ups stay small)."""
+
+
+def rotation_scale(from_pos: Positions | None, to_pos: Positions | None, spec: RopeSpec) -> float:
+    """Factor K is multiplied by: the attention scaling once into post-RoPE form, out of it once."""
+    if from_pos is None:
+        return spec.attention_scaling
+    if to_pos is None:
+        return 1.0 / spec.attention_scaling
+    return 1.0
+
+
+def position_delta(
+    from_pos: Positions | None, to_pos: Positions | None, tokens: int, device: torch.device
+) -> torch.Tensor:
+    """``to - from`` per token as int64 ``[tokens]``, or ``[1]`` when equal for every token."""
+    if isinstance(from_pos, int) and isinstance(to_pos, int):
+        return torch.tensor([to_pos - from_pos], dtype=torch.int64, device=device)
+    src = _as_positions(from_pos, tokens, device)
+    dst = _as_positions(to_pos, tokens, device)
+    if src is None:
+        assert dst is not None
+        return dst
+    if dst is None:
+        return -src
+    return dst - src
+
+
+def cos_sin(
+    delta: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``cos`` and ``sin`` ``[n, rotary_dim // 2]`` of ``delta * inv_freq``, times ``scale``."""
+    # Same operation order as Hugging Face: position as fp32, times fp32 inv_freq, then
+    # cos/sin, then the attention scaling.
+    angle = delta.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos(), angle.sin_()
+    if scale != 1.0:
+        cos.mul_(scale)
+        sin.mul_(scale)
+    return cos, sin
+
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def rope_tolerance(
+    expected: torch.Tensor, spec: RopeSpec, dtype: torch.dtype, ulps: float = 1.0
+) -> torch.Tensor:
+    """Per-element error bound: ``ulps`` ulps of ``dtype`` at each rotated pair's norm, 0 elsewhere.
+
+    The accuracy contract of the kernels. A rotation mixes the two elements of a pair, so
+    its rounding error scales with the pair's norm rather than with each element (an
+    element near zero may still carry an ulp of its partner); dims that only pass through
+    must be bit-exact. ``expected`` is ``[..., head_dim]``.
+    """
+    x = expected.to(torch.float64)
+    lo, half = spec.rotary_offset, spec.rotary_dim // 2
+    rot = x[..., lo : lo + spec.rotary_dim]
+    if spec.layout == "neox":
+        norm = torch.hypot(rot[..., :half], rot[..., half:])
+        norm = torch.cat((norm, norm), dim=-1)
+    else:
+        pairs = rot.unflatten(-1, (half, 2))
+        norm = torch.hypot(pairs[..., 0], pairs[..., 1]).repeat_interleave(2, dim=-1)
+    exponent = torch.frexp(norm).exponent
+    ulp = torch.ldexp(torch.ones_like(norm), exponent - 1 - _MANTISSA_BITS[dtype])
+    tol = torch.zeros_like(x)
+    tol[..., lo : lo + spec.rotary_dim] = ulps * ulp
+    return tol
+
+
+def rotate_reference(
+    k: torch.Tensor,
+    from_pos: Positions | None,
+    to_pos: Positions | None,
+    spec: RopeSpec,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate K ``[tokens, heads, head_dim]`` from ``from_pos`` to ``to_pos`` (see ``api``)."""
+    tokens, heads, _ = k.shape
+    if out is None:
+        out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return out
+    in_place = out.data_ptr() == k.data_ptr()
+    delta = position_delta(from_pos, to_pos, tokens, k.device)
+    chunk = _chunk_tokens(spec, heads, tokens)
+    rotator = _Rotator(spec, delta, rotation_scale(from_pos, to_pos, spec), heads, chunk)
+    for a in range(0, tokens, rotator.chunk):
+        b = min(a + rotator.chunk, tokens)
+        rotator.apply(k[a:b], out[a:b], a, copy_pass=not in_place)
+    return out
+
+
+def rerope_scatter_reference(
+    k_nope: torch.Tensor,
+    v: torch.Tensor | None,
+    positions: Positions,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    spec: RopeSpec,
+) -> None:
+    """Rotate nope K to ``positions``; write K and V into the paged cache at ``slot_mapping``."""
+    rerope_scatter_layers_reference(
+        k_nope[None],
+        None if v is None else v[None],
+        positions,
+        slot_mapping,
+        [k_cache],
+        None if v_cache is None else [v_cache],
+        spec,
+    )
+
+
+def rerope_scatter_layers_reference(
+    k_nope: torch.Tensor,
+    v: torch.Tensor | None,
+    positions: Positions,
+    slot_mapping: torch.Tensor,
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor] | None,
+    spec: RopeSpec,
+) -> None:
+    """``rerope_scatter_reference`` for ``[layers, tokens, heads, dim]`` into per-layer caches."""
+    layers, tokens, heads, head_dim = k_nope.shape
+    if tokens == 0:
+        return
+    slots = slot_mapping
+    pos: Positions = positions
+    keep = slots >= 0
+    if not bool(keep.all()):
+        # Skipped slots are rare (padding): drop those tokens once, for all layers.
+        idx = keep.nonzero().squeeze(1)
+        tokens = idx.numel()
+        if tokens == 0:
+            return
+        k_nope = k_nope.index_select(1, idx)
+        v = None if v is None else v.index_select(1, idx)
+        pos = _positions_tensor(positions, slot_mapping.numel(), slots.device).index_select(0, idx)
+        slots = slots.index_select(0, idx)
+    device = k_nope.device
+    cache_dtype = k_caches[0].dtype
+    delta = position_delta(None, pos, tokens, device)
+    writer = _SlotWriter(slots, block_size=k_caches[0].shape[1])
+    chunk = writer.align(_chunk_tokens(spec, heads, tokens))
+    rotator = _Rotator(spec, delta, spec.attention_scaling, heads, chunk)
+    buffer = torch.empty((chunk, heads, head_dim), dtype=cache_dtype, device=device)
+    for layer in range(layers):
+        k_cache = k_caches[layer]
+        for a in range(0, tokens, chunk):
+            b = min(a + chunk, tokens)
+            direct = writer.slice(k_cache, a, b)
+            if direct is not None:  # consecutive slots: rotate straight into the cache
+                rotator.apply(k_nope[layer, a:b], direct, a, copy_pass=True)
+            else:
+                rows = buffer[: b - a]
+                rotator.apply(k_nope[layer, a:b], rows, a, copy_pass=True)
+                writer.write(k_cache, a, rows)
+        if v is not None and v_caches is not None:
+            writer.write(v_caches[layer], 0, v[layer].to(v_caches[layer].dtype))
+
+
+class _Rotator:
+    """Rotates chunks of ``[n, heads, head_dim]`` rows with cos/sin tables built once."""
+
+    def __init__(
+        self, spec: RopeSpec, delta: torch.Tensor, scale: float, heads: int, chunk: int
+    ) -> None:
+        self.spec = spec
+        self.half = spec.rotary_dim // 2
+        self.lo = spec.rotary_offset
+        self.hi = spec.rotary_offset + spec.rotary_dim
+        self.broadcast = delta.numel() == 1
+        device = delta.device
+        cos, sin = cos_sin(delta, spec.inv_freq_tensor(device), scale)
+        rd = spec.rotary_dim
+        if spec.layout == "neox":
+            # [n, 1, 1, R/2]: broadcast over heads and over the two halves of a row.
+            self.cos, self.sin = cos[:, None, None, :], sin[:, None, None, :]
+        else:
+            self.phase = torch.complex(cos, sin)[:, None, :]
+        self.chunk = chunk
+        shape = (chunk, heads, rd)
+        self.scratch = torch.empty(shape, dtype=torch.float32, device=device)
+        self.rotated = (
+            torch.empty(shape, dtype=torch.float32, device=device)
+            if spec.layout == "neox"
+            else self.scratch
+        )
+
+    def apply(self, src: torch.Tensor, dst: torch.Tensor, start: int, copy_pass: bool) -> None:
+        """Rotate ``src`` rows (tokens ``start..``) into ``dst``; ``dst`` may be ``src``."""
+        n = src.shape[0]
+        lo, hi, half = self.lo, self.hi, self.half
+        rows = slice(0, 1) if self.broadcast else slice(start, start + n)
+        x = self.scratch[:n]
+        x.copy_(src[..., lo:hi])
+        if self.spec.layout == "neox":
+            # (x1, x2) * c + (-x2 * s, x1 * s): the products and sums of HF's
+            # k * cos + rotate_half(k) * sin, in fp32.
+            cos, sin = self.cos[rows], self.sin[rows]
+            halves = x.view(n, x.shape[1], 2, half)
+            out = self.rotated[:n]
+            out_halves = torch.mul(halves, cos, out=out.view(n, x.shape[1], 2, half))
+            out_halves[:, :, 0].addcmul_(halves[:, :, 1], sin[:, :, 0], value=-1.0)
+            out_halves[:, :, 1].addcmul_(halves[:, :, 0], sin[:, :, 0])
+        else:
+            pairs = torch.view_as_complex(x.view(n, x.shape[1], half, 2))
+            pairs.mul_(self.phase[rows])
+            out = x
+        dst[..., lo:hi].copy_(out)
+        if copy_pass:
+            if lo > 0:
+                dst[..., :lo].copy_(src[..., :lo])
+            if hi < src.shape[-1]:
+                dst[..., hi:].copy_(src[..., hi:])
+
+
+class _SlotWriter:
+    """Writes rows of tokens into a paged cache ``[blocks, block_size, heads, dim]`` at their
+    slots, the cheapest way the slot mapping allows (decided once per call):
+
+    * one run of consecutive slots: plain slices of the cache;
+    * whole blocks (every ``block_size`` tokens fill one block, in any block order, as an
+      engine's block allocator hands them out): one row per block, ``block_size`` times
+      fewer and longer rows to move;
+    * anything else: one row per token.
+
+    On the CPU rows move through numpy's fancy assignment on a raw-bytes view (one
+    ``memcpy`` per row, bit-exact); torch's ``index_copy_`` goes element by element and
+    takes several times as long. Other devices use ``index_copy_``.
+    """
+
+    def __init__(self, slots: torch.Tensor, block_size: int) -> None:
+        self.slots = slots
+        self.block_size = block_size
+        self.run_start = _single_run(slots)
+        self.blocks = None if self.run_start is not None else _whole_blocks(slots, block_size)
+        self.on_cpu = slots.device.type == "cpu"
+
+    def align(self, chunk: int) -> int:
+        """``chunk`` tokens rounded so that chunks never split a block in block mode."""
+        if self.blocks is None:
+            return chunk
+        return max(self.block_size, chunk // self.block_size * self.block_size)
+
+    def slice(self, cache: torch.Tensor, a: int, b: int) -> torch.Tensor | None:
+        """The cache rows of tokens ``a..b`` as a view, when they are consecutive."""
+        if self.run_start is None:
+            return None
+        return cache.view(-1, *cache.shape[2:])[self.run_start + a : self.run_start + b]
+
+    def write(self, cache: torch.Tensor, a: int, rows: torch.Tensor) -> None:
+        """Write ``rows`` (tokens ``a..``, contiguous, cache dtype) to their slots."""
+        b = a + rows.shape[0]
+        target = self.slice(cache, a, b)
+        if target is not None:
+            target.copy_(rows)
+        elif self.blocks is not None:
+            per_block = cache.view(cache.shape[0], -1)
+            index = self.blocks[a // self.block_size : b // self.block_size]
+            _assign_rows(per_block, index, rows.reshape(index.numel(), -1), self.on_cpu)
+        else:
+            _assign_rows(
+                cache.view(-1, rows[0].numel()),
+                self.slots[a:b],
+                rows.reshape(b - a, -1),
+                self.on_cpu,
+            )
+
+
+def _assign_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, on_cpu: bool) -> None:
+    """``dst[index] = src`` for 2-D contiguous tensors of one dtype."""
+    if not on_cpu:
+        dst.index_copy_(0, index, src)
+        return
+    row_bytes = dst.shape[1] * dst.element_size()
+    as_rows = np.dtype((np.void, row_bytes))
+    dst_np = dst.view(torch.uint8).numpy().view(as_rows).reshape(dst.shape[0])
+    src_np = src.contiguous().view(torch.uint8).numpy().view(as_rows).reshape(src.shape[0])
+    dst_np[index.numpy()] = src_np
+
+
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """Block ids if tokens fill whole blocks in order (``block_size`` consecutive slots from a
+    block start per group), else ``None``."""
+    if slots.numel() % block_size:
+        return None
+    groups = slots.view(-1, block_size)
+    starts = groups[:, 0]
+    offsets = torch.arange(block_size, device=slots.device)
+    if bool((starts % block_size == 0).all()) and bool((groups == starts[:, None] + offsets).all()):
+        return starts // block_size
+    return None
+
+
+def _chunk_tokens(spec: RopeSpec, heads: int, tokens: int) -> int:
+    """Tokens per chunk: ``CHUNK_ELEMENTS`` rotated elements, at most all of them."""
+    return max(1, min(CHUNK_ELEMENTS // (heads * spec.rotary_dim), tokens))
+
+
+def _as_positions(pos: Positions | None, tokens: int, device: torch.device) -> torch.Tensor | None:
+    if pos is None:
+        return None
+    return _positions_tensor(pos, tokens, device)
+
+
+def _positions_tensor(pos: Positions, tokens: int, device: torch.device) -> torch.Tensor:
+    if isinstance(pos, int):
+        return torch.arange(pos, pos + tokens, dtype=torch.int64, device=device)
+    return pos.to(torch.int64)
+
+
+def _single_run(slots: torch.Tensor) -> int | None:
+    """First slot if ``slots`` are consecutive (``s, s+1, ...``), else ``None``."""
+    first = int(slots[0])
+    if slots.numel() == 1 or (
+        int(slots[-1]) - first == slots.numel() - 1 and bool((slots.diff() == 1).all())
+    ):
+        return first
+    return None
