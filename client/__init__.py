@@ -1,5 +1,14 @@
-"""nopecache client: keys, chunking and reuse plans (the SDK engines embed)."""
+"""nopecache client: the SDK engines embed (store, lookup, fetch), keys, chunking, plans."""
 
+from nopecache.client.cache_client import (
+    DEFAULT_CHUNKER,
+    DEFAULT_PREFIX_BLOCK_TOKENS,
+    AsyncCacheClient,
+    AsyncPrefetch,
+    KForm,
+    PreparedStore,
+    StoreReport,
+)
 from nopecache.client.chunking import (
     Chunker,
     ChunkSpan,
@@ -9,11 +18,13 @@ from nopecache.client.chunking import (
     TokenIds,
     token_array,
 )
+from nopecache.client.config import ClientConfig, RetryPolicy
 from nopecache.client.errors import (
     FingerprintMismatchError,
     InvalidArgumentError,
     NopecacheError,
 )
+from nopecache.client.fetching import FetchResult
 from nopecache.client.fingerprint import SUPPORTED_DTYPES, ModelFingerprint, dtype_name
 from nopecache.client.keys import (
     BlockKey,
@@ -24,27 +35,42 @@ from nopecache.client.keys import (
     prefix_chunks,
     prefix_key,
 )
+from nopecache.client.placement import PagedKV
 from nopecache.client.plan import Hit, HitFilter, HitKind, LookupAnswer, ReusePlan, plan_reuse
+from nopecache.client.sync_client import CacheClient, Prefetch
 
 __all__ = [
+    "DEFAULT_CHUNKER",
+    "DEFAULT_PREFIX_BLOCK_TOKENS",
     "SUPPORTED_DTYPES",
+    "AsyncCacheClient",
+    "AsyncPrefetch",
     "BlockKey",
+    "CacheClient",
     "ChunkSpan",
     "Chunker",
+    "ClientConfig",
     "ContentChunker",
+    "FetchResult",
     "FingerprintMismatchError",
     "FixedChunker",
     "Hit",
     "HitFilter",
     "HitKind",
     "InvalidArgumentError",
+    "KForm",
     "KeyedChunk",
     "LookupAnswer",
     "ModelFingerprint",
     "Namespace",
     "NopecacheError",
+    "PagedKV",
+    "Prefetch",
+    "PreparedStore",
+    "RetryPolicy",
     "ReusePlan",
     "SegmentChunker",
+    "StoreReport",
     "TokenIds",
     "content_chunks",
     "content_key",

@@ -1,0 +1,277 @@
+"""The fetch pipeline: Get streams feeding a worker thread that verifies and places blocks.
+
+::
+
+    loop thread                                   worker thread
+    -----------                                   -------------
+    Get stream, server A --+                      block 0: verify, rotate + scatter
+    Get stream, server B --+--> queue --> submit  block 1: verify, rotate + scatter
+                                 (as each block    ...
+                                  arrives)
+
+Blocks are handed to the worker the moment their last frame arrives, so block n is
+placed while block n+1 is still on the wire (torch releases the GIL, the loop keeps
+reading). Nothing writes into the engine's cache after ``place`` returns or raises: a
+cancelled fetch stops the queued jobs and waits for the running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nopecache.client.chunking import ChunkSpan, TokenArray
+from nopecache.client.errors import InvalidArgumentError
+from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.metrics import ClientMetrics
+from nopecache.client.placement import PagedKV, decode_for_hit, place_contiguous, place_paged
+from nopecache.client.plan import Hit, HitKind, ReusePlan
+from nopecache.client.sharding import Rendezvous
+from nopecache.client.transport import BufferPool, ServerConnection
+from nopecache.kernels import RopeSpec
+from nopecache.proto.block import BlockError
+
+__all__ = ["BlockPlacer", "Download", "FetchResult"]
+
+log = logging.getLogger(__name__)
+
+Outputs = tuple[torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """What a fetch placed; with ``into=None`` also the K/V it placed them in.
+
+    ``mask[i]`` is True when prompt position i got cached KV. Without a paged target,
+    ``k``/``v`` are ``[layers, num_tokens, kv_heads, head_dim]``, K rotated to the target
+    positions (post-RoPE), zeros where ``mask`` is False.
+    """
+
+    plan: ReusePlan
+    placed: tuple[Hit, ...]  # in prompt order
+    failed: tuple[Hit, ...]  # planned hits that became misses (server, verification)
+    nbytes: int  # block bytes received
+    seconds: float  # from the first Get (a prefetch's start) to the last block placed
+    mask: torch.Tensor
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def placed_tokens(self) -> int:
+        """Prompt tokens whose KV was placed."""
+        return sum(h.num_tokens for h in self.placed)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Length of the exact prefix placed without a gap from position 0 (lossless KV)."""
+        end = 0
+        for hit in sorted(
+            (h for h in self.placed if h.kind is HitKind.PREFIX), key=lambda h: h.target.start
+        ):
+            if hit.target.start != end:
+                break
+            end = hit.target.end
+        return end
+
+    @property
+    def misses(self) -> tuple[ChunkSpan, ...]:
+        """Maximal token ranges without cached KV: what the engine must prefill."""
+        out: list[ChunkSpan] = []
+        covered = 0
+        for hit in sorted(self.placed, key=lambda h: h.target.start):
+            if hit.target.start > covered:
+                out.append(ChunkSpan(covered, hit.target.start))
+            covered = max(covered, hit.target.end)
+        if covered < self.plan.num_tokens:
+            out.append(ChunkSpan(covered, self.plan.num_tokens))
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPlacer:
+    """Verifies a fetched blob against its hits and places it (runs on the worker thread).
+
+    Prefix hits are checked against the prefix fingerprint, position-independent ones
+    against the NOPE one (their keys were made with them).
+    """
+
+    prefix_fingerprint: ModelFingerprint
+    pi_fingerprint: ModelFingerprint
+    rope: RopeSpec
+    v_head_dim: int
+    metrics: ClientMetrics
+
+    def outputs(self, num_tokens: int) -> Outputs:
+        """Uninitialised contiguous K and V for a prompt (V None for MLA)."""
+        fp = self.prefix_fingerprint
+        shape = (fp.num_layers, num_tokens, fp.num_kv_heads)
+        k = torch.empty((*shape, fp.head_dim), dtype=fp.torch_dtype)
+        v = (
+            torch.empty((*shape, self.v_head_dim), dtype=fp.torch_dtype)
+            if self.v_head_dim
+            else None
+        )
+        return k, v
+
+    def place(
+        self,
+        blob: memoryview,
+        hits: Sequence[Hit],
+        prompt: TokenArray,
+        into: PagedKV | None,
+        out: Outputs | None,
+        cancelled: threading.Event,
+    ) -> bool:
+        """Verify ``blob`` for each of ``hits`` (one key) and place it; False: a miss."""
+        if cancelled.is_set():
+            return False
+        fp = self.prefix_fingerprint if hits[0].kind is HitKind.PREFIX else self.pi_fingerprint
+        try:
+            for hit in hits:
+                block = decode_for_hit(blob, hit, prompt, fp, self.v_head_dim)
+                if into is not None:
+                    place_paged(block, hit, into, self.rope)
+                else:
+                    assert out is not None
+                    place_contiguous(block, hit, out[0], out[1], self.rope)
+        except BlockError as e:
+            log.warning("nopecache: block %s failed verification, a miss: %s", hits[0].key.hex(), e)
+            self.metrics.record_verify_failure()
+            return False
+        return True
+
+
+def _by_target(hit: Hit) -> int:
+    return hit.target.start
+
+
+class Download:
+    """The Get streams of one plan, one per owner server; blocks queue up as they arrive.
+
+    ``place`` consumes the queue and hands each block to the worker thread at once, so
+    block n is verified and placed while block n+1 is still on the wire. A key used by
+    several hits (repeated content) is fetched once and placed for each.
+    """
+
+    def __init__(
+        self,
+        plan: ReusePlan,
+        ring: Rendezvous,
+        connections: Mapping[str, ServerConnection],
+        placer: BlockPlacer,
+        worker: concurrent.futures.Executor,
+        pool: BufferPool,
+    ) -> None:
+        """Start the Get streams of ``plan``'s blocks (on the running loop); placed blocks'
+        buffers go back to ``pool``."""
+        self.plan = plan
+        self.ring = ring
+        self.connections = connections
+        self.placer = placer
+        self.worker = worker
+        self.pool = pool
+        self.start = time.perf_counter()
+        self.by_key: dict[bytes, list[Hit]] = {}
+        for hit in plan.blocks:
+            self.by_key.setdefault(hit.key.value, []).append(hit)
+        self.queue: asyncio.Queue[tuple[list[Hit], memoryview | None] | None] = asyncio.Queue()
+        self.consumed = False
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        keys = list(self.by_key)
+        try:
+            await asyncio.gather(
+                *(
+                    self._stream(server, [keys[i] for i in idx])
+                    for server, idx in self.ring.group(keys).items()
+                )
+            )
+        finally:
+            self.queue.put_nowait(None)
+
+    async def _stream(self, server: str, keys: list[bytes]) -> None:
+        blocks = self.connections[server].get(b"".join(keys))
+        try:
+            async for index, blob in blocks:
+                self.queue.put_nowait((self.by_key[keys[index]], blob))
+        finally:
+            await blocks.aclose()  # type: ignore[attr-defined]
+
+    def _place(
+        self,
+        blob: memoryview,
+        hits: Sequence[Hit],
+        prompt: TokenArray,
+        into: PagedKV | None,
+        out: Outputs | None,
+        cancelled: threading.Event,
+    ) -> bool:
+        """Worker thread: place one blob, then hand its buffer back for reuse (the block's
+        tensors died with ``placer.place``'s frame; nothing reads the buffer any more)."""
+        try:
+            return self.placer.place(blob, hits, prompt, into, out, cancelled)
+        finally:
+            self.pool.give(blob)
+
+    async def place(self, arr: TokenArray, into: PagedKV | None) -> FetchResult:
+        """Place every block as it arrives; the result once all are placed or missed."""
+        if self.consumed:
+            raise InvalidArgumentError("fetch", "this prefetch was fetched already")
+        self.consumed = True
+        out = self.placer.outputs(self.plan.num_tokens) if into is None else None
+        cancelled = threading.Event()
+        jobs: list[tuple[list[Hit], concurrent.futures.Future[bool]]] = []
+        failed: list[Hit] = []
+        nbytes = 0
+        try:
+            while (item := await self.queue.get()) is not None:
+                hits, blob = item
+                if blob is None:
+                    failed.extend(hits)
+                    continue
+                nbytes += blob.nbytes
+                job = self.worker.submit(self._place, blob, hits, arr, into, out, cancelled)
+                jobs.append((hits, job))
+            await self.task  # re-raises a bug in the streams; failures are misses already
+            results = await asyncio.gather(*(asyncio.wrap_future(j) for _, j in jobs))
+        except BaseException:
+            # Nothing may write into the engine's cache after we return: stop queued jobs
+            # and wait for the one running.
+            cancelled.set()
+            self.task.cancel()
+            await asyncio.to_thread(concurrent.futures.wait, [j for _, j in jobs])
+            raise
+        placed = [h for (hits, _), ok in zip(jobs, results, strict=True) if ok for h in hits]
+        failed += [h for (hits, _), ok in zip(jobs, results, strict=True) if not ok for h in hits]
+        # Streams finish in any order; results read in prompt order.
+        placed.sort(key=_by_target)
+        failed.sort(key=_by_target)
+        seconds = time.perf_counter() - self.start
+        mask = torch.zeros(self.plan.num_tokens, dtype=torch.bool)
+        for hit in placed:
+            mask[hit.target.start : hit.target.end] = True
+        result = FetchResult(
+            self.plan,
+            tuple(placed),
+            tuple(failed),
+            nbytes,
+            seconds,
+            mask,
+            None if out is None else out[0],
+            None if out is None else out[1],
+        )
+        if out is not None:
+            for span in result.misses:
+                for t in out:
+                    if t is not None:
+                        t[:, span.start : span.end].zero_()
+        self.placer.metrics.record_fetch(sum(ok for ok in results), nbytes, seconds)
+        return result

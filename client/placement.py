@@ -1,0 +1,333 @@
+"""Placing fetched blocks: K rotated to where the content lands now, V copied, one pass each.
+
+A fetched block holds K and V ``[layers, block_tokens, kv_heads, head_dim]`` in one of
+three forms (``StoredForm``). A hit uses the block's ``source`` tokens for the prompt's
+``target`` tokens; the K written out is always post-RoPE at the target positions::
+
+    stored form            K at source is                 write K by
+    NOPE                   pre-RoPE                       rotating None -> target
+    ROPE, same positions   already right                  a plain copy (bit exact)
+    ROPE, other positions  post-RoPE at source_positions  rotating source -> target
+    MLA                    latent + nope rope part        rotating None -> target (rope dims)
+
+Every case reads each element of the block once and writes it once into its destination:
+no temporary copies. Two destinations:
+
+* :class:`PagedKV`: the engine's paged cache (vLLM layout, one tensor per layer
+  ``[num_blocks, block_size, kv_heads, head_dim]``) and a slot for every prompt position.
+  NOPE blocks go through the fused ``rerope_scatter_layers`` kernel; ROPE blocks rotate
+  straight into the cache rows when their slots are one consecutive run, else through a
+  small per-layer buffer and one ``index_copy_``.
+* contiguous tensors ``[layers, prompt_tokens, kv_heads, head_dim]`` (``place_contiguous``):
+  ``rotate`` writes into the target rows with ``out=``.
+
+Placement functions trust their arguments to be consistent (the client checks the block
+against the hit and the model before calling them); :class:`PagedKV` validates itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nopecache.client.chunking import TokenArray
+from nopecache.client.errors import InvalidArgumentError
+from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.plan import Hit
+from nopecache.kernels import RopeSpec, rerope_scatter_layers
+from nopecache.kernels.api import Positions, rotate
+from nopecache.proto.block import (
+    BlockMismatchError,
+    BytesLike,
+    DecodedBlock,
+    StoredForm,
+    decode_block,
+)
+
+__all__ = [
+    "PagedKV",
+    "decode_for_hit",
+    "place_contiguous",
+    "place_paged",
+    "source_positions",
+]
+
+
+def _check_cache(name: str, cache: object, like: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(cache, torch.Tensor):
+        raise InvalidArgumentError(name, f"must be a tensor, got {type(cache).__name__}")
+    if cache.dim() != 4:
+        raise InvalidArgumentError(
+            name,
+            f"must be 4-D [num_blocks, block_size, kv_heads, head_dim], got {list(cache.shape)}",
+        )
+    if not cache.is_contiguous():
+        raise InvalidArgumentError(name, "must be contiguous")
+    if like is not None and (cache.dtype != like.dtype or cache.device != like.device):
+        raise InvalidArgumentError(
+            name,
+            f"{cache.dtype} on {cache.device} differs from the first cache's "
+            f"{like.dtype} on {like.device}",
+        )
+    return cache
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """An engine's paged KV cache and where each prompt position goes in it.
+
+    ``k_caches[l]`` / ``v_caches[l]``: layer ``l``'s cache ``[num_blocks, block_size,
+    kv_heads, head_dim]`` (vLLM layout; slot ``s`` is row ``s`` of the flattened first two
+    dims). ``v_caches`` is None for MLA (the latent holds everything). ``slot_mapping``:
+    int64 ``[prompt_tokens]``, the slot of every prompt position, ``-1`` to skip one.
+    """
+
+    k_caches: Sequence[torch.Tensor]
+    v_caches: Sequence[torch.Tensor] | None
+    slot_mapping: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k_caches, torch.Tensor) or not isinstance(self.k_caches, Sequence):
+            raise InvalidArgumentError("k_caches", "must be a sequence of per-layer tensors")
+        k_caches = tuple(self.k_caches)
+        if not k_caches:
+            raise InvalidArgumentError("k_caches", "must hold at least one layer")
+        first = _check_cache("k_caches[0]", k_caches[0], None)
+        for i, cache in enumerate(k_caches[1:], 1):
+            _check_cache(f"k_caches[{i}]", cache, first)
+            if cache.shape != first.shape:
+                raise InvalidArgumentError(
+                    f"k_caches[{i}]",
+                    f"shape {list(cache.shape)} differs from k_caches[0]'s {list(first.shape)}",
+                )
+        object.__setattr__(self, "k_caches", k_caches)
+        if self.v_caches is not None:
+            if isinstance(self.v_caches, torch.Tensor) or not isinstance(self.v_caches, Sequence):
+                raise InvalidArgumentError(
+                    "v_caches", "must be a sequence of per-layer tensors or None"
+                )
+            v_caches = tuple(self.v_caches)
+            if len(v_caches) != len(k_caches):
+                raise InvalidArgumentError(
+                    "v_caches", f"{len(v_caches)} layers, k_caches has {len(k_caches)}"
+                )
+            v_first = _check_cache("v_caches[0]", v_caches[0], first)
+            for i, cache in enumerate(v_caches):
+                _check_cache(f"v_caches[{i}]", cache, first)
+                if cache.shape != v_first.shape or cache.shape[:3] != first.shape[:3]:
+                    raise InvalidArgumentError(
+                        f"v_caches[{i}]",
+                        f"shape {list(cache.shape)} must be [{first.shape[0]}, "
+                        f"{first.shape[1]}, {first.shape[2]}, v_head_dim] like v_caches[0]",
+                    )
+            object.__setattr__(self, "v_caches", v_caches)
+        slots = self.slot_mapping
+        if not isinstance(slots, torch.Tensor):
+            raise InvalidArgumentError(
+                "slot_mapping", f"must be a tensor, got {type(slots).__name__}"
+            )
+        if slots.dtype != torch.int64 or slots.dim() != 1:
+            raise InvalidArgumentError(
+                "slot_mapping", f"must be a 1-D int64 tensor, got {slots.dtype} {list(slots.shape)}"
+            )
+        if slots.device != first.device:
+            raise InvalidArgumentError(
+                "slot_mapping", f"on {slots.device}, the caches are on {first.device}"
+            )
+        if slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < -1 or hi >= self.num_slots:
+                raise InvalidArgumentError(
+                    "slot_mapping",
+                    f"values must be -1 or in [0, {self.num_slots}), got range [{lo}, {hi}]",
+                )
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the cache."""
+        return len(self.k_caches)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer (num_blocks * block_size)."""
+        shape = self.k_caches[0].shape
+        return int(shape[0] * shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads per token."""
+        return int(self.k_caches[0].shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        """Last dim of K."""
+        return int(self.k_caches[0].shape[3])
+
+    @property
+    def v_head_dim(self) -> int:
+        """Last dim of V (0 without V caches)."""
+        return 0 if self.v_caches is None else int(self.v_caches[0].shape[3])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type of the caches."""
+        return self.k_caches[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the caches live."""
+        return self.k_caches[0].device
+
+
+def decode_for_hit(
+    blob: BytesLike,
+    hit: Hit,
+    prompt: TokenArray,
+    fingerprint: ModelFingerprint,
+    v_head_dim: int,
+) -> DecodedBlock:
+    """Verify a fetched blob for ``hit`` of ``prompt`` and decode it (zero-copy views).
+
+    The block must be intact (both checksums), carry the hit's key and the model's
+    fingerprint, and hold exactly the prompt tokens its key was computed from: the hit
+    uses the block's tokens ``[source.start, source.end)`` for ``target``, and the block
+    starts ``source.start`` tokens before the target (a hit trimmed at the front keeps
+    that context in the block). Its form and layout must be the model's. Anything else
+    raises a ``BlockError`` (the caller turns it into a miss).
+    """
+    src, dst = hit.source, hit.target
+    first = dst.start - src.start
+    if first < 0:
+        raise BlockMismatchError(f"hit: source {src} starts before the prompt for target {dst}")
+    block = decode_block(
+        blob,
+        expect_key=hit.key.value,
+        expect_fingerprint=fingerprint.to_bytes(),
+        expect_tokens=prompt[first : dst.end].tolist(),
+    )
+    header = block.header
+    want = (fingerprint.num_layers, src.end, fingerprint.num_kv_heads, fingerprint.head_dim)
+    if header.form != hit.form or header.dtype != fingerprint.dtype:
+        raise BlockMismatchError(
+            f"form: block holds {header.form.name} {header.dtype}, the hit expects "
+            f"{hit.form.name} {fingerprint.dtype}"
+        )
+    if header.shape != want or header.v_head_dim != v_head_dim:
+        raise BlockMismatchError(
+            f"shape: block is {list(header.shape)} with v_head_dim {header.v_head_dim}, the "
+            f"model needs {list(want)} with v_head_dim {v_head_dim}"
+        )
+    return block
+
+
+def source_positions(block: DecodedBlock, hit: Hit) -> Positions | None:
+    """Positions K of the hit's source tokens was rotated to (None: nope K).
+
+    An int ``start`` when they are consecutive (the usual case: the kernels then need no
+    index tensor), else an int64 tensor.
+    """
+    header = block.header
+    if header.form != StoredForm.ROPE:
+        return None
+    assert header.source_positions is not None  # BlockHeader guarantees it for ROPE
+    pos = np.asarray(header.source_positions[hit.source.start : hit.source.end], dtype=np.int64)
+    start = int(pos[0])
+    if pos.size == 1 or bool((np.diff(pos) == 1).all()):
+        return start
+    return torch.from_numpy(pos)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Blocks decode on the host; a GPU cache gets them with one transfer per tensor.
+    return t if t.device == device else t.to(device)
+
+
+def _positions_on(pos: Positions | None, device: torch.device) -> Positions | None:
+    return pos.to(device) if isinstance(pos, torch.Tensor) else pos
+
+
+def _slots_run(slots: torch.Tensor) -> int | None:
+    """The first slot when ``slots`` are ``s, s+1, ...`` (all placed), else None."""
+    n = slots.numel()
+    first = int(slots[0])
+    if first < 0:
+        return None
+    if n == 1 or (int(slots[-1]) - first == n - 1 and bool((slots.diff() == 1).all())):
+        return first
+    return None
+
+
+def place_paged(block: DecodedBlock, hit: Hit, into: PagedKV, spec: RopeSpec) -> None:
+    """Write the hit's K (rotated to its target positions) and V into the paged cache."""
+    src, dst = hit.source, hit.target
+    device = into.device
+    k = _on(block.k[:, src.start : src.end], device)
+    v = None if block.v is None else _on(block.v[:, src.start : src.end], device)
+    slots = into.slot_mapping[dst.start : dst.end]
+    from_pos = _positions_on(source_positions(block, hit), device)
+    if from_pos is None:
+        rerope_scatter_layers(k, v, dst.start, slots, into.k_caches, into.v_caches, spec)
+        return
+    # ROPE: K is post-RoPE already; a copy when it sits at the target positions, else one
+    # rotation by the difference (never through nope form: that would round twice).
+    same = isinstance(from_pos, int) and from_pos == dst.start
+    keep = slots >= 0
+    if not bool(keep.all()):
+        idx = keep.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return
+        k, slots = k.index_select(1, idx), slots.index_select(0, idx)
+        v = None if v is None else v.index_select(1, idx)
+        to_pos: Positions = dst.start + idx
+        from_pos = (from_pos + idx) if isinstance(from_pos, int) else from_pos[idx]
+    else:
+        to_pos = dst.start
+    run = _slots_run(slots)
+    heads, head_dim = into.num_kv_heads, into.head_dim
+    buffer = None if same or run is not None else torch.empty_like(k[0])
+    for layer, k_cache in enumerate(into.k_caches):
+        flat = k_cache.view(-1, heads, head_dim)
+        if run is not None:
+            rows = flat[run : run + slots.numel()]
+            if same:
+                rows.copy_(k[layer])
+            else:
+                rotate(k[layer], from_pos, to_pos, spec, out=rows)
+        elif same:
+            flat.index_copy_(0, slots, k[layer])
+        else:
+            assert buffer is not None
+            flat.index_copy_(0, slots, rotate(k[layer], from_pos, to_pos, spec, out=buffer))
+    if v is not None and into.v_caches is not None:
+        for layer, v_cache in enumerate(into.v_caches):
+            v_flat = v_cache.view(-1, heads, v_cache.shape[-1])
+            if run is not None:
+                v_flat[run : run + slots.numel()].copy_(v[layer])
+            else:
+                v_flat.index_copy_(0, slots, v[layer])
+
+
+def place_contiguous(
+    block: DecodedBlock,
+    hit: Hit,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor | None,
+    spec: RopeSpec,
+) -> None:
+    """Write the hit's K (rotated to its target positions) and V into ``[layers, tokens, ...]``
+    output tensors, rows ``hit.target``."""
+    src, dst = hit.source, hit.target
+    device = k_out.device
+    k = _on(block.k[:, src.start : src.end], device)
+    from_pos = _positions_on(source_positions(block, hit), device)
+    same = isinstance(from_pos, int) and from_pos == dst.start
+    if same:
+        k_out[:, dst.start : dst.end].copy_(k)
+    else:
+        for layer in range(k.shape[0]):
+            rotate(k[layer], from_pos, dst.start, spec, out=k_out[layer, dst.start : dst.end])
+    if v_out is not None and block.v is not None:
+        v_out[:, dst.start : dst.end].copy_(block.v[:, src.start : src.end])
