@@ -1,7 +1,7 @@
 """Public RoPE kernels: rotate K between positions, and scatter it into a paged KV cache.
 
 Every entry point takes the same arguments on every device. CUDA tensors run the Triton
-kernels of ``nopecache.kernels.rotate``; tensors on any other device run the plain-torch
+kernels of ``nopecache.kernels.triton_rope``; tensors on any other device run the plain-torch
 code of ``nopecache.kernels.reference``. Arguments are validated here, once per call, and
 a bad one raises ``ValueError`` whose message starts with the argument's name.
 
@@ -62,7 +62,7 @@ def rotate(
 ) -> torch.Tensor:
     """Rotate K ``[tokens, kv_heads, head_dim]`` from ``from_pos`` to ``to_pos``; ``None`` = nope."""
     if _on_cuda(k):
-        from nopecache.kernels.rotate import rotate_triton
+        from nopecache.kernels.triton_rope import rotate_triton
 
         return rotate_triton(k, from_pos, to_pos, spec, out)
     validate_rotate(k, from_pos, to_pos, spec, out)
@@ -88,7 +88,7 @@ def rerope_scatter(
     are ``None`` for an MLA latent cache. Each element is read once and written once.
     """
     if _on_cuda(k_nope):
-        from nopecache.kernels.rotate import rerope_scatter_triton
+        from nopecache.kernels.triton_rope import rerope_scatter_triton
 
         rerope_scatter_triton(k_nope, v, positions, slot_mapping, k_cache, v_cache, spec)
         return
@@ -111,7 +111,7 @@ def rerope_scatter_layers(
     on CUDA this is a single kernel launch (the caches' base addresses go in a table).
     """
     if _on_cuda(k_nope):
-        from nopecache.kernels.rotate import rerope_scatter_layers_triton
+        from nopecache.kernels.triton_rope import rerope_scatter_layers_triton
 
         rerope_scatter_layers_triton(k_nope, v, positions, slot_mapping, k_caches, v_caches, spec)
         return

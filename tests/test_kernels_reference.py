@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nopecache.kernels import RopeSpec, api, reference
-from nopecache.kernels import rotate as rotate_module
+from nopecache.kernels import triton_rope as rotate_module
 from nopecache.kernels.reference import (
     position_delta,
     rope_tolerance,

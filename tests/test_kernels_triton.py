@@ -27,7 +27,7 @@ from nopecache.kernels.reference import (
     rotate_reference,
 )
 from nopecache.kernels.rope_spec import Layout
-from nopecache.kernels.rotate import (
+from nopecache.kernels.triton_rope import (
     rerope_scatter_layers_triton,
     rerope_scatter_triton,
     rotate_triton,
@@ -253,7 +253,7 @@ import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nopecache.kernels.rotate import _rope_rows_kernel as kernel
+from nopecache.kernels.triton_rope import _rope_rows_kernel as kernel
 
 for pointers, constants in json.loads(sys.argv[1]):
     kinds = {"dst_table_ptr": "*i64", "v_dst_table_ptr": "*i64", "from_ptr": "*i32",
