@@ -7,20 +7,24 @@ as 16 exact-prefix blocks of 256 tokens (32 MiB each; 512 MiB of K and V in all)
 
 Measured, each the best of ``--reps`` runs after a warm-up::
 
-    grpc     CacheClient.fetch(plan, tokens, into=PagedKV): Get streams, verification
-             (checksums, key, fingerprint, token ids), placement into a vLLM-layout paged
-             cache (blocks of 16 slots, shuffled block table), all pipelined
+    grpc     CacheClient.fetch(plan, tokens, into=PagedKV) with ``shm=off``: Get streams,
+             verification (checksums, key, fingerprint, token ids), placement into a
+             vLLM-layout paged cache (blocks of 16 slots, shuffled block table), pipelined
+    shm      the same fetch with the default ``shm=auto``: the server copies each block
+             into a shared-memory segment (client/shm.py, the default 128 MiB), the
+             client verifies and places it from there (zero copies on the client)
     memcpy   one torch copy of the same number of bytes between two preallocated
              buffers: the limit any transport into this memory has
-    get      the Get streams alone (blocks received, nothing verified or placed)
+    get      the gRPC Get streams alone (blocks received, nothing verified or placed)
+    shm_get  the shared-memory Get streams alone (each block dropped once received)
     place    verification and placement alone, of blocks already received
 
 ``pipeline`` = (get + place) / grpc: above 1 when placing block n overlaps receiving block
-n+1. The shared-memory path is not built yet: ``shm_gbps`` prints nan. GB/s are 10^9
-bytes (of K and V payload) per second. Last line::
+n+1. The shm fetch's warm-up run also creates and attaches the segment (not timed). GB/s
+are 10^9 bytes (of K and V payload) per second. Last line::
 
     RESULT grpc_gbps= shm_gbps= memcpy_gbps= shm_vs_memcpy= grpc_vs_memcpy= get_gbps=
-           place_gbps= pipeline=
+           place_gbps= pipeline= shm_get_gbps= shm_vs_grpc=
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -51,6 +56,7 @@ from nopecache.client import (
 )
 from nopecache.client.cost import CostConfig
 from nopecache.client.placement import decode_for_hit, place_paged
+from nopecache.client.shm import ShmFastPath
 from nopecache.client.transport import BufferPool, ServerConnection
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
@@ -166,6 +172,31 @@ def get_and_place_apart(
     return get_s, best_of(reps, place_all)
 
 
+def shm_get_alone(address: str, config: ClientConfig, plan: ReusePlan, reps: int) -> float:
+    """Seconds to receive every block through shared memory (one connection and segment for
+    all runs, each block dropped once received, as a fetch does after placing it)."""
+    keys = b"".join(h.key.value for h in plan.blocks)
+
+    async def runs() -> float:
+        fast = ShmFastPath("auto")
+        conn = ServerConnection(address, config, fast_path=fast)
+        times = []
+        for rep in range(reps + 1):  # the first run attaches: not timed
+            start = time.perf_counter()
+            async for _, blob in conn.get(keys):
+                assert blob is not None
+                del blob
+            if rep:
+                times.append(time.perf_counter() - start)
+        stats = fast.stats()
+        assert stats.grpc_blocks == 0 and stats.shm_blocks == len(plan.blocks) * (reps + 1), stats
+        await fast.close()
+        await conn.close()
+        return min(times)
+
+    return asyncio.run(runs())
+
+
 def main() -> None:
     """Run the benchmark and print the RESULT line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -201,6 +232,7 @@ def main() -> None:
             get_timeout_s=120.0,
             put_timeout_s=120.0,
             cost=CostConfig(enabled=False),
+            shm="off",
         )
         with CacheClient(
             config,
@@ -235,6 +267,32 @@ def main() -> None:
             get_s, place_s = get_and_place_apart(
                 addr, config, client, plan, prompt, into, args.reps
             )
+        shm_config = replace(config, shm="auto")
+        with CacheClient(
+            shm_config,
+            fingerprint=fp,
+            rope=rope,
+            v_head_dim=HEAD_DIM,
+            prefix_block_tokens=PREFIX_BLOCK,
+        ) as shm_client:
+            into = paged_target(tokens)
+            outcome.clear()
+
+            def shm_fetch() -> None:
+                result = shm_client.fetch(plan, prompt, into=into)
+                outcome.append(len(result.failed))
+
+            shm_s = best_of(args.reps, shm_fetch)
+            assert outcome == [0] * len(outcome), "blocks failed to fetch"
+            first = into.k_caches[0].view(-1, KV_HEADS, HEAD_DIM)[into.slot_mapping[:64]]
+            assert torch.equal(first, k[0, :64])
+            assert shm_client.core.shm is not None
+            stats = shm_client.core.shm.stats()
+        print(
+            f"shm fetches: {stats.shm_blocks} blocks through shared memory, "
+            f"{stats.grpc_blocks} over gRPC ({stats.grpc_bytes / 2**20:.0f} MiB)"
+        )
+        shm_get_s = shm_get_alone(addr, shm_config, plan, args.reps)
 
     src = torch.empty(placed_bytes, dtype=torch.uint8)
     dst = torch.empty(placed_bytes, dtype=torch.uint8)
@@ -247,15 +305,20 @@ def main() -> None:
     get_gbps = placed_bytes / get_s / 1e9
     place_gbps = placed_bytes / place_s / 1e9
     pipeline = (get_s + place_s) / grpc_s
+    shm_gbps = placed_bytes / shm_s / 1e9
+    shm_get_gbps = placed_bytes / shm_get_s / 1e9
     print(f"fetch (grpc, verified, placed): {grpc_s * 1e3:8.1f} ms  {grpc_gbps:6.2f} GB/s")
     print(f"  get streams alone:            {get_s * 1e3:8.1f} ms  {get_gbps:6.2f} GB/s")
     print(f"  verify + place alone:         {place_s * 1e3:8.1f} ms  {place_gbps:6.2f} GB/s")
     print(f"  pipeline (get + place) / fetch: {pipeline:.2f}")
+    print(f"fetch (shm, verified, placed):  {shm_s * 1e3:8.1f} ms  {shm_gbps:6.2f} GB/s")
+    print(f"  shm get streams alone:        {shm_get_s * 1e3:8.1f} ms  {shm_get_gbps:6.2f} GB/s")
     print(f"memcpy of the same bytes:       {memcpy_s * 1e3:8.1f} ms  {memcpy_gbps:6.2f} GB/s")
     print(
-        f"RESULT grpc_gbps={grpc_gbps:.3f} shm_gbps=nan memcpy_gbps={memcpy_gbps:.3f} "
-        f"shm_vs_memcpy=nan grpc_vs_memcpy={grpc_gbps / memcpy_gbps:.3f} "
-        f"get_gbps={get_gbps:.3f} place_gbps={place_gbps:.3f} pipeline={pipeline:.2f}"
+        f"RESULT grpc_gbps={grpc_gbps:.3f} shm_gbps={shm_gbps:.3f} memcpy_gbps={memcpy_gbps:.3f} "
+        f"shm_vs_memcpy={shm_gbps / memcpy_gbps:.3f} grpc_vs_memcpy={grpc_gbps / memcpy_gbps:.3f} "
+        f"get_gbps={get_gbps:.3f} place_gbps={place_gbps:.3f} pipeline={pipeline:.2f} "
+        f"shm_get_gbps={shm_get_gbps:.3f} shm_vs_grpc={shm_gbps / grpc_gbps:.2f}"
     )
 
 

@@ -139,6 +139,62 @@ class ServerConfig:
     log_level: str = field(
         default="INFO", metadata=_opt(_STR, f"log level, one of {', '.join(_LOG_LEVELS)}")
     )
+    # -- security (see README "Security"): all off in the embedded default ----------------
+    tls_cert_file: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "PEM certificate chain the gRPC port serves; with --tls-key-file turns TLS on",
+            "FILE",
+        ),
+    )
+    tls_key_file: str = field(
+        default="", metadata=_opt(_STR, "PEM private key of --tls-cert-file", "FILE")
+    )
+    tls_client_ca_file: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "PEM CA bundle that client certificates must chain to; when set, every client "
+            "must present one (mutual TLS)",
+            "FILE",
+        ),
+    )
+    auth_tokens_file: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "bearer tokens: lines 'TOKEN TENANT', or TOML [tenants.NAME] tokens = [...] "
+            "quota = '1GiB'; any token turns auth on (health and reflection stay open)",
+            "FILE",
+        ),
+    )
+    # Secret: kept out of repr; a flag would show in `ps`, so prefer the environment.
+    auth_tokens: str = field(
+        default="",
+        repr=False,
+        metadata=_opt(
+            _STR,
+            "bearer tokens inline, 'TOKEN TENANT' entries separated by ';' or newlines "
+            "(prefer the environment variable or the file: flags show in ps)",
+            "SPEC",
+        ),
+    )
+    tenant_quota: int = field(
+        default=0,
+        metadata=_opt(
+            _SIZE,
+            "byte quota of every tenant (0: none); a TOML tokens file may set one per tenant",
+        ),
+    )
+    max_streams_per_client: int = field(
+        default=256,
+        metadata=_opt(
+            _INT,
+            "most RPCs one client may have in flight (per tenant with auth, per connection "
+            "without); more are refused RESOURCE_EXHAUSTED",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("host", "metrics_host"):
@@ -173,11 +229,33 @@ class ServerConfig:
             raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
         if self.log_level.upper() not in _LOG_LEVELS:
             raise ConfigError(f"log_level: {self.log_level!r} is not one of {_LOG_LEVELS}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
+            raise ConfigError(f"{missing}: tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError(
+                "tls_client_ca_file: client certificates need TLS; set tls_cert_file and "
+                "tls_key_file too"
+            )
+        if self.max_streams_per_client < 1:
+            raise ConfigError(
+                f"max_streams_per_client: must be >= 1, got {self.max_streams_per_client}"
+            )
 
     @property
     def max_frame_data_bytes(self) -> int:
         """The most payload bytes one PutFrame/GetFrame carries."""
         return self.max_message_bytes - FRAME_OVERHEAD_BYTES
+
+    @property
+    def tls_enabled(self) -> bool:
+        """Whether the gRPC port speaks TLS."""
+        return bool(self.tls_cert_file)
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Whether calls need a bearer token (any token source configured)."""
+        return bool(self.auth_tokens_file or self.auth_tokens)
 
     @property
     def log_level_number(self) -> int:

@@ -3,11 +3,14 @@
 ``nopecache-server`` and ``python -m nopecache.cache_server`` both land in :func:`main`.
 What one server process runs::
 
-    grpc.aio server (host:port)          metrics HTTP exporter (metrics_host:metrics_port)
-      nopecache.v1.KVCache  ──> TieredStore ──> tiers (cuda / cpu / redis)
-      grpc.health.v1.Health     ^  observer: ServerMetrics
-      reflection                |
+    grpc.aio server (host:port, TLS/mTLS when configured)
+      RequestGate (auth.py): token -> tenant, per-client stream limit   metrics HTTP
+      nopecache.v1.KVCache  ──> TieredStore ──> tiers (cuda / cpu / redis)   exporter
+      grpc.health.v1.Health     ^  observer: ServerMetrics             (metrics_host:
+      reflection                |                                       metrics_port)
     tier monitor task ──────────┘  every few seconds: stats -> gauges + per-tier health
+
+Health and reflection pass the gate untouched (no token needed), so probes work.
 
 Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, the gRPC server stops accepting
 and gives in-flight RPCs ``shutdown_grace_s`` to finish, then the store is closed (Redis
@@ -32,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lack aio
 from grpc_reflection.v1alpha import reflection
 
+from nopecache.cache_server.auth import RequestGate, load_token_table
 from nopecache.cache_server.config import ConfigError, ServerConfig, load_config
 from nopecache.cache_server.metrics import MetricsEndpoint, ServerMetrics
 from nopecache.cache_server.service import (
@@ -43,12 +47,15 @@ from nopecache.cache_server.service import (
     server_version,
 )
 from nopecache.cache_server.store import TieredStore
+from nopecache.cache_server.tenants import ANONYMOUS, Tenant
 from nopecache.cache_server.tiers import TierError, redact_url
+from nopecache.cache_server.tls import load_server_tls
 
 __all__ = ["RunningServer", "main", "serve", "start_server", "tier_health_name", "tune_malloc"]
 
 # How often tier statistics are refreshed into the gauges and the health service.
 DEFAULT_MONITOR_INTERVAL_S = 2.0
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 log = logging.getLogger("nopecache.cache_server")
 
@@ -61,7 +68,8 @@ def tune_malloc() -> bool:
     with munmap, so each new buffer page-faults its way in (measured: 8 MiB blocks moved
     2-3x slower than the transport allows). With a fixed mmap threshold above the largest
     frame and a high trim threshold, freed buffers stay in the heap and are reused. The
-    cost: RSS does not shrink after a burst (it stays at the peak of in-flight buffers).
+    cost: RSS does not shrink after a burst (it stays at the peak of in-flight buffers);
+    at most two malloc arenas keep that peak from being held once per gRPC thread.
     """
     name = ctypes.util.find_library("c")
     if name is None:
@@ -70,10 +78,14 @@ def tune_malloc() -> bool:
         mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):  # not glibc
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
     # 32 MiB is the largest mmap threshold glibc accepts on 64-bit.
-    return bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(
-        mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+    return (
+        bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024))
+        and bool(mallopt(m_trim_threshold, 1024 * 1024 * 1024))
+        # Every arena keeps its own freed buffers; gRPC's threads would each get one.
+        # Two arenas bound what stays resident (measured: 50 -> 30 MiB under bench/load.py).
+        and bool(mallopt(m_arena_max, 2))
     )
 
 
@@ -94,6 +106,8 @@ class RunningServer:
     service: KVCacheService
     health: health_aio.HealthServicer
     metrics_endpoint: MetricsEndpoint | None
+    gate: RequestGate
+    tls: bool = False
     _monitor: asyncio.Task[None] | None = field(default=None, repr=False)
     _stopped: bool = False
 
@@ -125,6 +139,8 @@ class RunningServer:
         """Read tier statistics once: update the gauges and the health statuses."""
         stats = await self.store.stats()
         self.metrics.set_tier_stats(stats)
+        for tier, corrupt in _corrupt_counts(self.store):
+            self.metrics.corrupt_total(tier, corrupt)
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         for s in stats:
@@ -134,12 +150,19 @@ class RunningServer:
 
     async def _monitor_loop(self, interval_s: float) -> None:
         """Refresh tier statistics every ``interval_s`` until cancelled."""
+        task = asyncio.current_task()
         while True:
             await asyncio.sleep(interval_s)
             try:
                 await self.refresh_tiers()
             except Exception:  # a failed probe must not end monitoring; the tier says why
                 log.exception("tier statistics refresh failed")
+            # redis-py can swallow a cancel that lands inside a command (measured: the
+            # command then returns normally), so the CancelledError never reaches this
+            # loop although the request stays counted. Honour it here, or stop() would
+            # wait for this loop forever.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
 
 
 async def start_server(
@@ -152,11 +175,32 @@ async def start_server(
 ) -> RunningServer:
     """Build the store, the servicers and the metrics exporter from ``config`` and start them.
 
-    ``interceptors`` (auth, tenancy), ``resolve_context`` and ``credentials`` (TLS) are the
-    hooks for the security layer; by default the port is plaintext and unauthenticated,
+    The security layer comes from ``config``: TLS credentials (``tls_*`` files), and a
+    :class:`RequestGate` first in the interceptor chain (bearer tokens -> tenants, the
+    per-client stream limit). ``interceptors`` run after the gate; ``credentials``
+    replaces the configured TLS. By default the port is plaintext and unauthenticated,
     which is why the default host is loopback.
     """
+    # Read the secrets and certificates first: a bad file fails before anything starts.
+    tokens = load_token_table(config)
+    tls = load_server_tls(config)
+    if credentials is None and tls is not None:
+        credentials = tls.credentials()
+    if tokens is not None and credentials is None and config.host not in _LOOPBACK_HOSTS:
+        log.warning(
+            "auth is on without TLS on %s: bearer tokens cross the network in clear", config.host
+        )
     metrics = ServerMetrics(version=server_version())
+    gate = RequestGate(
+        SERVICE_NAME,
+        tokens=tokens,
+        anonymous=Tenant(ANONYMOUS.name, config.tenant_quota),
+        max_streams_per_client=config.max_streams_per_client,
+        metrics=metrics,
+    )
+    for tenant in gate.tenants:
+        if tenant.quota_bytes:
+            metrics.tenant_usage(tenant.name, 0, tenant.quota_bytes)
     store = TieredStore.from_urls(
         config.tiers, write_through=config.write_through, observer=metrics
     )
@@ -164,7 +208,7 @@ async def start_server(
     try:
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
         server = grpc.aio.server(
-            interceptors=list(interceptors),
+            interceptors=[gate, *interceptors],
             options=[
                 *config.grpc_options,
                 # Fail loudly if another process holds the port instead of sharing it.
@@ -204,6 +248,8 @@ async def start_server(
         service=service,
         health=health_servicer,
         metrics_endpoint=endpoint,
+        gate=gate,
+        tls=credentials is not None,
     )
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await running.refresh_tiers()
@@ -226,17 +272,32 @@ async def serve(config: ServerConfig) -> int:
         else "off"
     )
     log.info(
-        "nopecache-server %s listening on %s (metrics %s; tiers %s)",
+        "nopecache-server %s listening on %s (metrics %s; tiers %s; %s; %s)",
         server_version(),
         running.address,
         metrics_at,
         " ".join(redact_url(u) for u in config.tiers),
+        "mTLS" if config.tls_client_ca_file else "TLS" if running.tls else "plaintext",
+        f"auth: {len(running.gate.tenants)} tenant(s)" if config.auth_enabled else "auth off",
     )
     await stop.wait()
     log.info("shutting down: finishing in-flight requests (grace %.1fs)", config.shutdown_grace_s)
     await running.stop()
     log.info("stopped")
     return 0
+
+
+def _corrupt_counts(store: TieredStore) -> list[tuple[str, int]]:
+    """(tier, damaged values found so far) for the tiers that detect damage (Redis)."""
+    out: list[tuple[str, int]] = []
+    for tier in store.tiers:
+        if tier.name == "redis":
+            # Imported only here: redis-py is loaded already when a Redis tier exists.
+            from nopecache.cache_server.tiers.redis import RedisTier
+
+            assert isinstance(tier, RedisTier)
+            out.append((tier.name, tier.corrupt_values))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

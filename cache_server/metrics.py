@@ -22,6 +22,19 @@ Exposed families (counters carry Prometheus' ``_total`` suffix)::
     nopecache_put_bytes_total                       block bytes received by Put
     nopecache_get_bytes_total                       block bytes sent by Get
     nopecache_server_info{version}                  constant 1, labelled with the version
+    nopecache_corrupt_blocks_total{tier}            damaged values found (deleted, never served)
+    nopecache_auth_failures_total{reason}           calls refused UNAUTHENTICATED: missing /
+                                                    malformed / invalid token
+    nopecache_tenant_requests_total{tenant,method}  admitted RPCs per tenant
+    nopecache_tenant_rejected_total{tenant,reason}  refused requests and blocks per tenant
+    nopecache_tenant_put_bytes_total{tenant}        block bytes received by Put per tenant
+    nopecache_tenant_get_bytes_total{tenant}        block bytes served per tenant
+    nopecache_tenant_used_bytes{tenant}             bytes charged against the quota (tenants
+                                                    with a quota; an upper bound, see tenants.py)
+    nopecache_tenant_quota_bytes{tenant}            the tenant's byte quota
+
+Tenant labels take only configured tenant names (or ``anonymous``), so their number is
+bounded by the token file, never by what clients send.
 
 Concurrency: the store calls the observer methods from the event loop thread; the HTTP
 exporter reads from its own thread. prometheus-client values are lock-protected, and the
@@ -59,6 +72,14 @@ METRIC_NAMES = (
     "nopecache_put_bytes_total",
     "nopecache_get_bytes_total",
     "nopecache_server_info",
+    "nopecache_corrupt_blocks_total",
+    "nopecache_auth_failures_total",
+    "nopecache_tenant_requests_total",
+    "nopecache_tenant_rejected_total",
+    "nopecache_tenant_put_bytes_total",
+    "nopecache_tenant_get_bytes_total",
+    "nopecache_tenant_used_bytes",
+    "nopecache_tenant_quota_bytes",
 )
 
 # Loopback RPCs take ~100 µs; a Get of many 8 MiB blocks takes seconds.
@@ -174,6 +195,50 @@ class ServerMetrics:
             ["version"],
             registry=r,
         ).labels(version).set(1)
+        self._corrupt = Counter(
+            "nopecache_corrupt_blocks",
+            "Stored values found damaged (checksum), deleted and never served, by tier",
+            ["tier"],
+            registry=r,
+        )
+        self._auth_failures = Counter(
+            "nopecache_auth_failures",
+            "Calls refused UNAUTHENTICATED, by reason (missing, malformed, invalid)",
+            ["reason"],
+            registry=r,
+        )
+        self._tenant_requests = Counter(
+            "nopecache_tenant_requests",
+            "RPCs admitted, by tenant and method",
+            ["tenant", "method"],
+            registry=r,
+        )
+        self._tenant_rejected = Counter(
+            "nopecache_tenant_rejected",
+            "Requests (or single Put blocks) refused, by tenant and reason",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self._tenant_put_bytes = Counter(
+            "nopecache_tenant_put_bytes",
+            "Block bytes received by Put, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self._tenant_get_bytes = Counter(
+            "nopecache_tenant_get_bytes", "Block bytes served, by tenant", ["tenant"], registry=r
+        )
+        self._tenant_used = Gauge(
+            "nopecache_tenant_used_bytes",
+            "Bytes charged against the tenant's quota (an upper bound of what it holds)",
+            ["tenant"],
+            registry=r,
+        )
+        self._tenant_quota = Gauge(
+            "nopecache_tenant_quota_bytes", "The tenant's byte quota", ["tenant"], registry=r
+        )
+        self._corrupt_seen: dict[str, int] = {}
+        self._tenant_children: dict[tuple[str, str, str], _Child] = {}
         # Resolving a labelled child costs a lock and a tuple hash; hits are counted per
         # block on the data path, so the children are looked up once and kept here.
         self._hit_children: dict[str, _Child] = {}
@@ -244,6 +309,53 @@ class ServerMetrics:
                 self._capacity.labels(s.name).set(s.capacity_bytes)
             self._entries.labels(s.name).set(s.entries)
             self._healthy.labels(s.name).set(1 if s.healthy else 0)
+
+    def corrupt_total(self, tier: str, total: int) -> None:
+        """``tier`` has found ``total`` damaged values since start (a running count)."""
+        seen = self._corrupt_seen.get(tier, 0)
+        if total > seen:
+            self._corrupt.labels(tier).inc(total - seen)
+            self._corrupt_seen[tier] = total
+
+    # -- security and tenancy ------------------------------------------------------------
+    def auth_failure(self, reason: str) -> None:
+        """A call was refused UNAUTHENTICATED for ``reason`` (missing/malformed/invalid)."""
+        self._auth_failures.labels(reason).inc()
+
+    def tenant_request(self, tenant: str, method: str) -> None:
+        """``tenant`` made an admitted ``method`` call."""
+        self._tenant_child("requests", tenant, method).inc()
+
+    def tenant_rejected(self, tenant: str, reason: str, count: int = 1) -> None:
+        """``count`` requests or blocks of ``tenant`` were refused for ``reason``."""
+        self._tenant_child("rejected", tenant, reason).inc(count)
+
+    def tenant_put_bytes(self, tenant: str, n: int) -> None:
+        """``tenant`` stored ``n`` block bytes."""
+        self._tenant_child("put", tenant, "").inc(n)
+
+    def tenant_get_bytes(self, tenant: str, n: int) -> None:
+        """``tenant`` was served ``n`` block bytes."""
+        self._tenant_child("get", tenant, "").inc(n)
+
+    def tenant_usage(self, tenant: str, used_bytes: int, quota_bytes: int) -> None:
+        """The bytes charged to ``tenant`` and its quota."""
+        self._tenant_used.labels(tenant).set(used_bytes)
+        self._tenant_quota.labels(tenant).set(quota_bytes)
+
+    def _tenant_child(self, kind: str, tenant: str, extra: str) -> _Child:
+        child = self._tenant_children.get((kind, tenant, extra))
+        if child is None:
+            if kind == "requests":
+                child = self._tenant_requests.labels(tenant, extra)
+            elif kind == "rejected":
+                child = self._tenant_rejected.labels(tenant, extra)
+            elif kind == "put":
+                child = self._tenant_put_bytes.labels(tenant)
+            else:
+                child = self._tenant_get_bytes.labels(tenant)
+            self._tenant_children[(kind, tenant, extra)] = child
+        return child
 
     def exposition(self) -> bytes:
         """The current metrics in the Prometheus text format."""

@@ -21,13 +21,28 @@ Put semantics (what a client may rely on):
   stream are unaffected: each block is independent (keys are content hashes, so a retry
   of the good ones is idempotent).
 * Blocks are held until the stream ends cleanly and only then stored. A stream aborted
-  for broken framing (``INVALID_ARGUMENT``) or a request limit (``RESOURCE_EXHAUSTED``), or
-  cancelled by the client, stores nothing at all. ``max_request_bytes`` bounds what one
-  stream holds.
+  for broken framing (``INVALID_ARGUMENT``) or a request limit (``RESOURCE_EXHAUSTED``,
+  including a message over ``max_message_bytes``), cancelled by the client, or past its
+  deadline, stores nothing at all. ``max_request_bytes`` bounds what one stream holds.
+
+Tenants (see ``tenants.py``): every key a call names is mapped into the caller's
+namespace before the store sees it (``Tenant.stored_key``; the identity for the anonymous
+tenant of an unauthenticated server). A Put block is checked against its header with the
+*client* key, then stored under the namespaced key, so blocks keep the client's key in
+their header and no tenant can reach another's. Put charges each block against the
+tenant's byte quota first: a block over quota is ``REJECTED`` with ``RESOURCE_EXHAUSTED``.
+
+Same-host fast path (see ``shm.py``): AttachShm maps a client's shared-memory segment; a
+Get naming the session and a window of it gets each hit that fits copied into the window
+and announced by a small frame (shm_offset, shm_length) instead of data frames.
+
+A request message that is not valid protobuf is answered ``INVALID_ARGUMENT`` (the
+deserializers return :class:`MalformedRequest` instead of raising, which gRPC would turn
+into ``UNKNOWN``).
 
 Extension points: ``resolve_context`` turns each call into a :class:`RequestContext`
-(peer now; the tenant once auth lands), and interceptors are passed to the server by
-``main.start_server``.
+(peer and tenant; the tenant is set per call by ``auth.RequestGate``), and interceptors
+are passed to the server by ``main.start_server``.
 """
 
 from __future__ import annotations
@@ -41,10 +56,13 @@ from typing import NoReturn
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError, Message
 
 from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.metrics import ServerMetrics
+from nopecache.cache_server.shm import ShmRequestError, ShmSessions, ShmTarget
 from nopecache.cache_server.store import BlobTooLargeError, PutOutcome, TieredStore
+from nopecache.cache_server.tenants import QuotaLedger, Tenant, current_tenant, namespaced_keys
 from nopecache.cache_server.tiers import redact_url
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import KEY_BYTES, BlockError, validate
@@ -54,6 +72,7 @@ __all__ = [
     "SERVICE_NAME",
     "ContextResolver",
     "KVCacheService",
+    "MalformedRequest",
     "RequestContext",
     "WireError",
     "add_to_server",
@@ -79,17 +98,39 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RequestContext:
-    """Who is calling: resolved once per RPC (auth and tenancy fill in more later)."""
+    """Who is calling: the peer address and the tenant whose namespace the call uses."""
 
     peer: str
+    tenant: Tenant
 
 
 ContextResolver = Callable[[grpc.aio.ServicerContext], RequestContext]
 
 
 def default_context(context: grpc.aio.ServicerContext) -> RequestContext:
-    """The RequestContext of an unauthenticated call: only the peer address."""
-    return RequestContext(peer=context.peer())
+    """The peer, and the tenant the request gate set for this call (else ANONYMOUS)."""
+    return RequestContext(peer=context.peer(), tenant=current_tenant())
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedRequest:
+    """A request that is not valid protobuf wire format for ``message_type``."""
+
+    message_type: str
+    error: str
+
+
+def _lenient_parser(cls: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
+    """A request deserializer that returns MalformedRequest instead of raising."""
+    name = cls.DESCRIPTOR.full_name
+
+    def parse(raw: bytes) -> Message | MalformedRequest:
+        try:
+            return cls.FromString(raw)
+        except DecodeError as e:
+            return MalformedRequest(name, str(e))
+
+    return parse
 
 
 def server_version() -> str:
@@ -142,10 +183,19 @@ def _read_varint(buf: bytes, pos: int, field: str) -> tuple[int, int]:
 
 
 def encode_get_frame(
-    index: int, tier: int, total_size: int, data: bytes | memoryview, tier_names: Sequence[bytes]
+    index: int,
+    tier: int,
+    total_size: int,
+    data: bytes | memoryview,
+    tier_names: Sequence[bytes],
+    shm: tuple[int, int] | None = None,
 ) -> bytes:
     """A GetFrame in protobuf wire format (fields in number order, zero values omitted,
-    byte-identical to ``GetFrame.SerializeToString``) with ``data`` copied once."""
+    byte-identical to ``GetFrame.SerializeToString``) with ``data`` copied once.
+
+    ``shm`` is (shm_offset, shm_length) of a block written into the call's shared-memory
+    window (shm.py); such a frame has no data.
+    """
     head = bytearray()
     if index:
         head += b"\x08" + encode_varint(index)
@@ -156,9 +206,15 @@ def encode_get_frame(
     n = len(data)
     if n:
         head += b"\x22" + encode_varint(n)
-    if not tier_names:
-        return b"".join((head, data))
     tail = b"".join(b"\x2a" + encode_varint(len(name)) + name for name in tier_names)
+    if shm is not None:
+        offset, length = shm
+        if offset:
+            tail += b"\x40" + encode_varint(offset)
+        if length:
+            tail += b"\x48" + encode_varint(length)
+    if not tail:
+        return b"".join((head, data))
     return b"".join((head, data, tail))
 
 
@@ -221,6 +277,16 @@ def _bad_framing(message: str) -> _Rejected:
     return _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "bad_framing", message)
 
 
+def _refuse_malformed(request: object) -> None:
+    """Raise _Rejected (INVALID_ARGUMENT) for a request the deserializer could not parse."""
+    if isinstance(request, MalformedRequest):
+        raise _Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "bad_message",
+            f"{request.message_type}: not a valid protobuf message ({request.error})",
+        )
+
+
 class _PartialBlock:
     """A block whose frames are still arriving: views of the frame messages, joined once
     the last one is in (one copy, and no zero-filled buffer written first)."""
@@ -268,11 +334,16 @@ class KVCacheService:
         metrics: ServerMetrics,
         *,
         resolve_context: ContextResolver = default_context,
+        quotas: QuotaLedger | None = None,
+        shm: ShmSessions | None = None,
     ) -> None:
         self._store = store
         self._config = config
         self._metrics = metrics
         self._resolve = resolve_context
+        self.quotas = quotas if quotas is not None else QuotaLedger()
+        # Same-host fast path: client segments attached with AttachShm (shm.py).
+        self.shm = shm if shm is not None else ShmSessions()
         self._tier_names = [t.name for t in store.tiers]
         self._encoded_names = [n.encode() for n in self._tier_names]
         # Code 0 is a miss; tier i answers i + 1 (index into the reply's tier_names).
@@ -298,8 +369,9 @@ class KVCacheService:
         """What Stats reports about this server (version, limits, tiers)."""
         return self._info
 
-    def _split_keys(self, packed: bytes, field: str) -> list[bytes]:
-        """The 16-byte keys of a packed key field; raises _Rejected when malformed/too many."""
+    def _split_keys(self, packed: bytes, field: str, namespace: bytes = b"") -> list[bytes]:
+        """The keys of a packed key field as stored (prefixed with ``namespace``); raises
+        _Rejected when malformed or too many."""
         if len(packed) % KEY_BYTES:
             raise _Rejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -314,6 +386,8 @@ class KVCacheService:
                 f"{field}: {count} keys exceeds max_keys_per_request "
                 f"{self._config.max_keys_per_request}",
             )
+        if namespace:
+            return namespaced_keys(namespace, packed)
         keys: list[bytes] = np.frombuffer(packed, dtype=_KEY_DTYPE).tolist()
         return keys
 
@@ -322,7 +396,9 @@ class KVCacheService:
     ) -> NoReturn:
         """Count, log and abort the RPC with the rejection's status."""
         self._metrics.rejected(method, rejected.reason)
-        peer = self._resolve(context).peer
+        who = self._resolve(context)
+        self._metrics.tenant_rejected(who.tenant.name, rejected.reason)
+        peer = who.peer
         # DEBUG, not INFO: a misbehaving client must not be able to flood the log; the
         # rejection counter is the operational signal.
         log.debug(
@@ -333,12 +409,15 @@ class KVCacheService:
 
     # -- RPCs ----------------------------------------------------------------------------
     async def Lookup(
-        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+        self, request: pb.LookupRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupReply:
         """Which keys exist and in which tier (one byte per key)."""
         with self._metrics.latency["Lookup"].time():
             try:
-                keys = self._split_keys(request.keys, "LookupRequest.keys")
+                _refuse_malformed(request)
+                assert isinstance(request, pb.LookupRequest)
+                namespace = self._resolve(context).tenant.namespace
+                keys = self._split_keys(request.keys, "LookupRequest.keys", namespace)
             except _Rejected as r:
                 await self._abort(context, "Lookup", r)
             names = await self._store.lookup(keys)
@@ -351,16 +430,53 @@ class KVCacheService:
     ) -> pb.PutReply:
         """Receives a stream of framed blocks, validates each, stores them at stream end."""
         with self._metrics.latency["Put"].time():
+            tenant = self._resolve(context).tenant
             try:
                 results, staged = await self._receive(request_iterator)
             except _Rejected as r:
                 await self._abort(context, "Put", r)
+            # grpc.aio ends the request iterator alike for a clean close, a cancel, an
+            # expired deadline and a message over the size limit (the call is then over
+            # and the client has its status). Sending the initial metadata tells them
+            # apart: on a call that is over it raises CancelledError, before anything is
+            # stored.
+            await context.send_initial_metadata(())
+            invalid = len(results) - len(staged)
+            if invalid:
+                self._metrics.tenant_rejected(tenant.name, "invalid_block", invalid)
             stored_bytes = 0
+            reconciled = False
             for position, key, blob in staged:
-                results[position] = await self._store_block(key, blob)
+                stored_key = tenant.stored_key(key)
+                admitted = self.quotas.admit(tenant, stored_key, len(blob))
+                if not admitted and not reconciled:
+                    # The ledger over-counts what tiers evicted meanwhile: recount, once.
+                    reconciled = True
+                    await self.quotas.reconcile(tenant, self._store.lookup)
+                    admitted = self.quotas.admit(tenant, stored_key, len(blob))
+                if not admitted:
+                    results[position] = self._over_quota(tenant, key, position, len(blob))
+                    continue
+                results[position] = await self._store_block(key, stored_key, blob, tenant)
                 stored_bytes += len(blob)
             self._metrics.put_bytes(stored_bytes)
+            self._metrics.tenant_put_bytes(tenant.name, stored_bytes)
+            if tenant.quota_bytes:
+                used = self.quotas.used_bytes(tenant)
+                self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
             return pb.PutReply(results=results)
+
+    def _over_quota(self, tenant: Tenant, key: bytes, position: int, size: int) -> pb.PutResult:
+        """The result of a block refused because its tenant's quota is full."""
+        self._metrics.rejected("Put", "over_quota")
+        self._metrics.tenant_rejected(tenant.name, "over_quota")
+        used = self.quotas.used_bytes(tenant)
+        return self._rejection(
+            key,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"block #{position}: quota: tenant {tenant.name} holds {used} of its "
+            f"{tenant.quota_bytes}-byte quota; this block needs {size} more",
+        )
 
     async def _receive(self, frames: AsyncIterator[bytes]) -> tuple[list[pb.PutResult], Staged]:
         """Reassemble and validate the blocks of a Put stream.
@@ -468,12 +584,19 @@ class KVCacheService:
             key=key, outcome=pb.PUT_OUTCOME_REJECTED, code=code.value[0], reason=reason
         )
 
-    async def _store_block(self, key: bytes, blob: memoryview | bytes) -> pb.PutResult:
-        """Store one validated block and describe the outcome."""
+    async def _store_block(
+        self, key: bytes, stored_key: bytes, blob: memoryview | bytes, tenant: Tenant
+    ) -> pb.PutResult:
+        """Store one validated block (client ``key``) under ``stored_key``; the outcome.
+
+        The block's quota charge (taken by the caller) is given back when it was not stored.
+        """
         try:
-            outcome = await self._store.put(key, blob)
+            outcome = await self._store.put(stored_key, blob)
         except BlobTooLargeError as e:
+            self.quotas.release(tenant, (stored_key,))
             self._metrics.rejected("Put", "no_tier_fits")
+            self._metrics.tenant_rejected(tenant.name, "no_tier_fits")
             return self._rejection(key, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         if outcome is PutOutcome.STORED:
             self._metrics.put_outcome("stored")
@@ -481,7 +604,9 @@ class KVCacheService:
         if outcome is PutOutcome.ALREADY_PRESENT:
             self._metrics.put_outcome("already_present")
             return pb.PutResult(key=key, outcome=pb.PUT_OUTCOME_ALREADY_PRESENT)
+        self.quotas.release(tenant, (stored_key,))
         self._metrics.rejected("Put", "tier_unavailable")
+        self._metrics.tenant_rejected(tenant.name, "tier_unavailable")
         return self._rejection(
             key,
             grpc.StatusCode.UNAVAILABLE,
@@ -489,13 +614,17 @@ class KVCacheService:
         )
 
     async def Get(
-        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         """Streams each requested block (or a miss entry) in request order, as encoded
         GetFrames (see encode_get_frame)."""
         with self._metrics.latency["Get"].time():
+            tenant = self._resolve(context).tenant
             try:
-                keys = self._split_keys(request.keys, "GetRequest.keys")
+                _refuse_malformed(request)
+                assert isinstance(request, pb.GetRequest)
+                keys = self._split_keys(request.keys, "GetRequest.keys", tenant.namespace)
+                target = self._shm_target(request, tenant, context)
             except _Rejected as r:
                 await self._abort(context, "Get", r)
             limit = self._config.max_frame_data_bytes
@@ -503,43 +632,108 @@ class KVCacheService:
             names: Sequence[bytes] = self._encoded_names
             sent = hits = 0
             start, window = 0, GET_WINDOW_KEYS
-            while start < len(keys):
-                found = await self._store.get_many(keys[start : start + window])
-                for index, item in enumerate(found, start):
-                    if item is None:
-                        yield encode_get_frame(index, 0, 0, b"", names)
+            with target:  # the shared-memory window (if any) is written only inside
+                while start < len(keys):
+                    found = await self._store.get_many(keys[start : start + window])
+                    for index, item in enumerate(found, start):
+                        if item is None:
+                            yield encode_get_frame(index, 0, 0, b"", names)
+                            names = ()
+                            continue
+                        blob, tier = item
+                        size = len(blob)
+                        sent += size
+                        hits += 1
+                        at = target.place(blob)
+                        if at is not None:
+                            yield encode_get_frame(index, codes[tier], size, b"", names, (at, size))
+                            names = ()
+                            continue
+                        view = memoryview(blob)
+                        yield encode_get_frame(index, codes[tier], size, view[:limit], names)
                         names = ()
-                        continue
-                    blob, tier = item
-                    size = len(blob)
-                    sent += size
-                    view = memoryview(blob)
-                    yield encode_get_frame(index, codes[tier], size, view[:limit], names)
-                    names = ()
-                    for offset in range(limit, size, limit):
-                        yield encode_get_frame(index, 0, 0, view[offset : offset + limit], ())
-                    hits += 1
-                start += len(found)
-                if sent:
-                    window = max(1, min(GET_WINDOW_KEYS, GET_WINDOW_BYTES * hits // sent))
+                        for offset in range(limit, size, limit):
+                            yield encode_get_frame(index, 0, 0, view[offset : offset + limit], ())
+                    start += len(found)
+                    if sent:
+                        window = max(1, min(GET_WINDOW_KEYS, GET_WINDOW_BYTES * hits // sent))
             self._metrics.get_bytes(sent)
+            self._metrics.tenant_get_bytes(tenant.name, sent)
+
+    def _shm_target(
+        self, request: pb.GetRequest, tenant: Tenant, context: grpc.aio.ServicerContext
+    ) -> ShmTarget:
+        """The shared-memory window a Get names (inert without one); raises _Rejected."""
+        try:
+            return self.shm.target(
+                tenant.name,
+                request.shm_session,
+                request.shm_offset,
+                request.shm_size,
+                context.cancelled,
+            )
+        except ShmRequestError as e:
+            raise _Rejected(e.code, e.reason, str(e)) from e
+
+    async def AttachShm(
+        self, request: pb.AttachShmRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AttachShmReply:
+        """Maps a same-host client's shared-memory segment for Get payloads (shm.py)."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+            assert isinstance(request, pb.AttachShmRequest)
+            outcome = await self.shm.attach(tenant.name, request.name, request.size, request.nonce)
+        except ShmRequestError as e:
+            await self._abort(context, "AttachShm", _Rejected(e.code, e.reason, str(e)))
+        except _Rejected as r:
+            await self._abort(context, "AttachShm", r)
+        return pb.AttachShmReply(
+            session=outcome.session,
+            refused=outcome.refused,
+            idle_timeout_ms=int(self.shm.limits.idle_s * 1000),
+        )
+
+    async def DetachShm(
+        self, request: pb.DetachShmRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetachShmReply:
+        """Ends a session made by AttachShm (the segment is unmapped)."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+        except _Rejected as r:
+            await self._abort(context, "DetachShm", r)
+        assert isinstance(request, pb.DetachShmRequest)
+        return pb.DetachShmReply(detached=self.shm.detach(tenant.name, request.session))
 
     async def Delete(
-        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteReply:
         """Removes the keys from every tier."""
         with self._metrics.latency["Delete"].time():
+            tenant = self._resolve(context).tenant
             try:
-                keys = self._split_keys(request.keys, "DeleteRequest.keys")
+                _refuse_malformed(request)
+                assert isinstance(request, pb.DeleteRequest)
+                keys = self._split_keys(request.keys, "DeleteRequest.keys", tenant.namespace)
             except _Rejected as r:
                 await self._abort(context, "Delete", r)
-            return pb.DeleteReply(deleted=await self._store.delete(keys))
+            deleted = await self._store.delete(keys)
+            if tenant.quota_bytes:
+                self.quotas.release(tenant, keys)
+                used = self.quotas.used_bytes(tenant)
+                self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
+            return pb.DeleteReply(deleted=deleted)
 
     async def Stats(
-        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StatsRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsReply:
         """Per-tier statistics plus server version and limits."""
         with self._metrics.latency["Stats"].time():
+            try:
+                _refuse_malformed(request)
+            except _Rejected as r:
+                await self._abort(context, "Stats", r)
             stats = await self._store.stats()
             self._metrics.set_tier_stats(stats)
             return pb.StatsReply(
@@ -567,24 +761,34 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
     handlers = {
         "Lookup": grpc.unary_unary_rpc_method_handler(
             service.Lookup,
-            request_deserializer=pb.LookupRequest.FromString,
+            request_deserializer=_lenient_parser(pb.LookupRequest),
             response_serializer=pb.LookupReply.SerializeToString,
         ),
         "Put": grpc.stream_unary_rpc_method_handler(
             service.Put, response_serializer=pb.PutReply.SerializeToString
         ),
         "Get": grpc.unary_stream_rpc_method_handler(
-            service.Get, request_deserializer=pb.GetRequest.FromString
+            service.Get, request_deserializer=_lenient_parser(pb.GetRequest)
         ),
         "Delete": grpc.unary_unary_rpc_method_handler(
             service.Delete,
-            request_deserializer=pb.DeleteRequest.FromString,
+            request_deserializer=_lenient_parser(pb.DeleteRequest),
             response_serializer=pb.DeleteReply.SerializeToString,
         ),
         "Stats": grpc.unary_unary_rpc_method_handler(
             service.Stats,
-            request_deserializer=pb.StatsRequest.FromString,
+            request_deserializer=_lenient_parser(pb.StatsRequest),
             response_serializer=pb.StatsReply.SerializeToString,
+        ),
+        "AttachShm": grpc.unary_unary_rpc_method_handler(
+            service.AttachShm,
+            request_deserializer=_lenient_parser(pb.AttachShmRequest),
+            response_serializer=pb.AttachShmReply.SerializeToString,
+        ),
+        "DetachShm": grpc.unary_unary_rpc_method_handler(
+            service.DetachShm,
+            request_deserializer=_lenient_parser(pb.DetachShmRequest),
+            response_serializer=pb.DetachShmReply.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

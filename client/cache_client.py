@@ -14,10 +14,9 @@
                                    un-rotate K once (worker), encode       -> Put per owner
 
 Keys. Two key families per prompt (see ``keys.py``): the *prefix* chain over fixed blocks
-of ``prefix_block_tokens`` (256 by default: big enough that a block is worth a round
-trip, small enough that a prompt sharing a prefix reuses most of it), keyed with the
+of ``prefix_block_tokens`` (from the config, 256 by default), keyed with the
 client's fingerprint, whose ``form`` is the form prefix blocks are stored in; and
-*position-independent* content chunks (``DEFAULT_CHUNKER``, or the call's chunker),
+*position-independent* content chunks (the config's ``chunk_*_tokens``, or the call's chunker),
 always stored as NOPE K and keyed with the NOPE variant of the fingerprint. An engine
 that holds post-RoPE K gives a ROPE fingerprint, and exact-prefix hits are then bit-exact
 copies (no rotation at all when the positions agree).
@@ -55,8 +54,14 @@ from nopecache.client.chunking import (
     TokenIds,
     token_array,
 )
-from nopecache.client.config import ClientConfig, normalize_server
+from nopecache.client.config import (
+    DEFAULT_CHUNKER,
+    DEFAULT_PREFIX_BLOCK_TOKENS,
+    ClientConfig,
+    normalize_server,
+)
 from nopecache.client.cost import CostModel, bytes_per_token
+from nopecache.client.discovery import Discovery, Resolver
 from nopecache.client.errors import FingerprintMismatchError, InvalidArgumentError
 from nopecache.client.fetching import BlockPlacer, Download, FetchResult
 from nopecache.client.fingerprint import ModelFingerprint
@@ -65,6 +70,7 @@ from nopecache.client.metrics import ClientMetrics, ClientStats
 from nopecache.client.placement import PagedKV
 from nopecache.client.plan import ReusePlan, plan_reuse
 from nopecache.client.sharding import Rendezvous
+from nopecache.client.shm import ShmFastPath
 from nopecache.client.transport import BufferPool, FastPathFactory, PutStatus, ServerConnection
 from nopecache.kernels import RopeSpec
 from nopecache.kernels.api import Positions, rotate
@@ -83,10 +89,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFIX_BLOCK_TOKENS = 256
-# Content chunks of ~64 tokens: a reused document loses about lookback + avg tokens at its
-# start (see ContentChunker), and a block stays a few MiB even for 8B-class models.
-DEFAULT_CHUNKER = ContentChunker(min_size=16, avg_size=64, max_size=256)
 # Blocks encoded and sent per Put batch: bounds the extra memory a store holds at once.
 _STORE_BATCH_BYTES = 64 * 1024**2
 _STORE_CONCURRENCY = 2
@@ -171,17 +173,28 @@ class AsyncCacheClient:
         fingerprint: ModelFingerprint,
         rope: RopeSpec,
         v_head_dim: int,
-        prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
-        chunker: Chunker = DEFAULT_CHUNKER,
+        prefix_block_tokens: int | None = None,
+        chunker: Chunker | None = None,
         metrics: ClientMetrics | None = None,
         fast_path: FastPathFactory | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
-        """A client of the servers in ``config`` (a ClientConfig or a nopecache:// URL)."""
+        """A client of the servers in ``config`` (a ClientConfig or a nopecache:// URL).
+
+        ``prefix_block_tokens`` and ``chunker`` override the config's (None: use it).
+        ``resolver`` replaces getaddrinfo for ``discover=dns`` (see ``discovery.py``).
+        """
         if isinstance(config, str):
             config = ClientConfig.from_url(config)
         if not isinstance(config, ClientConfig):
             raise InvalidArgumentError("config", f"must be a ClientConfig or URL, got {config!r}")
         _check_model(fingerprint, rope, v_head_dim)
+        if prefix_block_tokens is None:
+            prefix_block_tokens = config.prefix_block_tokens
+        if chunker is None:
+            chunker = config.content_chunker()
+        if resolver is not None and config.discover != "dns":
+            raise InvalidArgumentError("resolver", "is only used with discover='dns'")
         if isinstance(prefix_block_tokens, bool) or not isinstance(prefix_block_tokens, int):
             raise InvalidArgumentError("prefix_block_tokens", "must be an int")
         self.config = config
@@ -202,6 +215,11 @@ class AsyncCacheClient:
         self._bytes_per_token = bytes_per_token(fingerprint, v_head_dim)
         # One pool for every connection: a fetch places blocks of any server.
         self._pool = BufferPool()
+        # Same-host shared memory (shm.py) unless switched off or replaced by the caller's
+        # own fast path; the client detaches its sessions on close.
+        self.shm: ShmFastPath | None = fast_path if isinstance(fast_path, ShmFastPath) else None
+        if fast_path is None and config.shm != "off":
+            fast_path = self.shm = ShmFastPath(config.shm)
         self._fast_path = fast_path
         self._connections = {s: self._connect(s) for s in config.servers}
         self._placer = BlockPlacer(fingerprint, self.pi_fingerprint, rope, v_head_dim, self.metrics)
@@ -211,6 +229,11 @@ class AsyncCacheClient:
         self._background: set[asyncio.Task[Any]] = set()
         self._store_slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._discovery = (
+            Discovery.for_config(config, self.set_servers, resolver)
+            if config.discover == "dns"
+            else None
+        )
 
     def _connect(self, server: str) -> ServerConnection:
         return ServerConnection(
@@ -228,13 +251,24 @@ class AsyncCacheClient:
 
     @property
     def servers(self) -> tuple[str, ...]:
-        """The servers keys are sharded over now (sorted)."""
+        """The servers keys are sharded over now (sorted; with ``discover=dns``, the
+        configured names until the first call resolves them)."""
         return self.ring.servers
+
+    async def refresh_servers(self) -> tuple[str, ...]:
+        """With ``discover=dns``, resolve the names now and shard over the result; the
+        servers in use (without discovery, just those)."""
+        self._in_loop()
+        if self._discovery is None:
+            return self.servers
+        if not self._discovery.started:
+            return await self._discovery.start()
+        return await self._discovery.refresh()
 
     async def set_servers(self, servers: Sequence[str]) -> None:
         """Shard over ``servers`` from now on (service discovery); only the keys of added or
         removed servers move. Connections to removed servers are closed (their in-flight
-        calls turn into misses)."""
+        calls turn into misses). With ``discover=dns`` the next resolution replaces them."""
         self._in_loop()
         ring = Rendezvous(normalize_server(s) for s in servers)
         gone = [c for s, c in self._connections.items() if s not in ring.servers]
@@ -267,7 +301,11 @@ class AsyncCacheClient:
             return self.chunker if chunking is None else chunking
         if chunking is not None:
             raise InvalidArgumentError("segments", "give segments or chunking, not both")
-        content = self.chunker if isinstance(self.chunker, ContentChunker) else DEFAULT_CHUNKER
+        content = (
+            self.chunker
+            if isinstance(self.chunker, ContentChunker)
+            else self.config.content_chunker()
+        )
         return SegmentChunker(segments, content)
 
     def _keys(
@@ -292,6 +330,8 @@ class AsyncCacheClient:
 
     async def _present(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys their owners hold: one Lookup per server, all in parallel."""
+        if self._discovery is not None:
+            await self._discovery.start()  # the first resolution; at once after it
         groups = self.ring.group(keys)
         answers = await asyncio.gather(
             *(
@@ -299,6 +339,8 @@ class AsyncCacheClient:
                 for server, idx in groups.items()
             )
         )
+        if self._discovery is not None and any(c.is_down() for c in self._connections.values()):
+            self._discovery.server_failed()  # DNS may no longer list it: resolve again soon
         present = [False] * len(keys)
         for idx, codes in zip(groups.values(), answers, strict=True):
             for i, code in zip(idx, codes, strict=True):
@@ -578,8 +620,9 @@ class AsyncCacheClient:
         prefix_keys: set[bytes],
     ) -> tuple[int, int, int, int]:
         """Encode and Put ``chunks`` to ``server`` in batches; (stored, present, failed, bytes)."""
-        connection = self._connections[server]
-        if connection.is_down():
+        # Discovery may have dropped the server since the keys were grouped.
+        connection = self._connections.get(server)
+        if connection is None or connection.is_down():
             return 0, 0, len(chunks), 0  # not worth encoding: the put would fail at once
         per_block = self._bytes_per_token
         batches: list[list[KeyedChunk]] = [[]]
@@ -645,6 +688,10 @@ class AsyncCacheClient:
     async def close(self) -> None:
         """Finish queued stores, close every connection and the worker thread."""
         await self.drain()
+        if self._discovery is not None:
+            await self._discovery.close()
+        if self.shm is not None:
+            await self.shm.close()  # DetachShm needs the channels: before they close
         await asyncio.gather(*(c.close() for c in self._connections.values()))
         # Joining the worker blocks: off the loop (it is idle after drain unless a fetch
         # is still running elsewhere).

@@ -5,6 +5,19 @@ A client is configured by a :class:`ClientConfig`, built in code or from a URL::
     nopecache://host1:50551,host2:50551?lookup_timeout=200ms&shm=off
     nopecaches://cache.example:50551?tls_ca_file=/etc/ca.pem&token=...   (TLS)
     nopecache://[::1]:50551,cache-0.cache-headless                      (default port)
+    nopecache://nopecache-headless.ns.svc.cluster.local:50551?discover=dns (every replica)
+
+Discovery. A server entry is one server unless the URL says ``discover=dns``: then every
+entry is a DNS name (a Kubernetes headless Service) standing for all the addresses it
+resolves to, each with the entry's port, re-resolved every ``dns_refresh`` and soon after
+a server fails (see ``nopecache.client.discovery``). The flag is explicit because a name
+cannot be told apart from a server by its spelling: ``nopecache-0.nopecache-headless`` is
+one pod, kept as a name so its ring identity survives a restart with a new IP, while
+``nopecache-headless`` is all of them.
+
+Keys. ``prefix_block_tokens`` and ``chunk_{min,avg,max}_tokens`` decide where prompts are
+cut, hence the block keys: a client that stores and one that looks up must agree on them,
+and putting them in the shared URL is how they do.
 
 Every field has exactly one query parameter (see :data:`URL_PARAMS`): the field name,
 with ``_s`` dropped from durations, and ``retry_`` / ``cost_`` before the fields of the
@@ -39,19 +52,28 @@ from urllib.parse import parse_qsl, quote, urlencode
 
 import grpc
 
+from nopecache.client.chunking import ContentChunker
 from nopecache.client.cost import CostConfig
 from nopecache.client.errors import InvalidArgumentError
 
 __all__ = [
+    "DEFAULT_CHUNKER",
+    "DEFAULT_CHUNK_AVG_TOKENS",
+    "DEFAULT_CHUNK_MAX_TOKENS",
+    "DEFAULT_CHUNK_MIN_TOKENS",
     "DEFAULT_PORT",
+    "DEFAULT_PREFIX_BLOCK_TOKENS",
     "ENV_URL",
     "METHODS",
     "SERVICE",
     "URL_PARAMS",
     "ClientConfig",
+    "DiscoverMode",
+    "DnsFamily",
     "RetryPolicy",
     "ShmMode",
     "normalize_server",
+    "split_server",
 ]
 
 # The server's default gRPC port (cache_server/config.py DEFAULT_PORT; a test checks they
@@ -59,10 +81,10 @@ __all__ = [
 DEFAULT_PORT = 50551
 ENV_URL = "NOPECACHE_CLIENT_URL"
 SERVICE = "nopecache.v1.KVCache"
-METHODS = ("Lookup", "Get", "Put", "Delete", "Stats")
+METHODS = ("Lookup", "Get", "Put", "Delete", "Stats", "AttachShm", "DetachShm")
 SCHEME = "nopecache"
 TLS_SCHEME = "nopecaches"
-# The server's max_message_bytes defaults to 8 MiB and its max_block_bytes to 64 MiB. The
+# The server's max_message_bytes defaults to 4 MiB and its max_block_bytes to 64 MiB. The
 # client's receive limit must be at least the server's message size, so 64 MiB also works
 # with a server raised to carry a whole block per frame; sends are framed by the limits the
 # server advertises (ServerInfo.limits), never by this number alone.
@@ -72,8 +94,29 @@ _GRPC_MAX_MESSAGE = (1 << 31) - 1
 # gRPC caps maxAttempts at 5 whatever the config says; refusing more keeps the config honest.
 _GRPC_MAX_ATTEMPTS = 5
 
+# Exact-prefix blocks of 256 tokens: big enough that a block is worth a round trip, small
+# enough that a prompt sharing a prefix reuses most of it.
+DEFAULT_PREFIX_BLOCK_TOKENS = 256
+# Content chunks of ~64 tokens: a reused document loses about lookback + avg tokens at its
+# start (see ContentChunker), and a block stays a few MiB even for 8B-class models.
+DEFAULT_CHUNK_MIN_TOKENS = 16
+DEFAULT_CHUNK_AVG_TOKENS = 64
+DEFAULT_CHUNK_MAX_TOKENS = 256
+DEFAULT_CHUNKER = ContentChunker(
+    min_size=DEFAULT_CHUNK_MIN_TOKENS,
+    avg_size=DEFAULT_CHUNK_AVG_TOKENS,
+    max_size=DEFAULT_CHUNK_MAX_TOKENS,
+)
+_MAX_BLOCK_TOKENS = 1 << 20
+
 ShmMode = Literal["auto", "on", "off"]
 _SHM_MODES: tuple[str, ...] = ("auto", "on", "off")
+DiscoverMode = Literal["off", "dns"]
+"""``off``: each server entry is one server; ``dns``: each is a name for all it resolves to."""
+_DISCOVER_MODES: tuple[str, ...] = ("off", "dns")
+DnsFamily = Literal["any", "ipv4", "ipv6"]
+"""Which address records discovery uses: A and AAAA, A only, AAAA only."""
+_DNS_FAMILIES: tuple[str, ...] = ("any", "ipv4", "ipv6")
 _STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 
@@ -101,6 +144,12 @@ def _duration(seconds: float) -> str:
     """A proto3 JSON Duration (``"0.05s"``): decimal seconds, at most 9 fraction digits."""
     text = f"{seconds:.9f}".rstrip("0").rstrip(".")
     return f"{text}s"
+
+
+def split_server(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a normalized ``host:port``; an IPv6 host loses its brackets."""
+    host, _, port = normalize_server(address).rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def normalize_server(address: str, *, default_port: int = DEFAULT_PORT) -> str:
@@ -285,9 +334,20 @@ class ClientConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     # Default tenant namespace salted into every key (a call may pass its own).
     namespace: str = ""
-    # How often a server name that resolves to several addresses (a Kubernetes headless
-    # Service) is resolved again; 0: only after a failure.
+    # With "dns", every server entry is a name standing for all its addresses (a Kubernetes
+    # headless Service); see nopecache.client.discovery.
+    discover: DiscoverMode = "off"
+    # How often discovery resolves the names again; 0: only after a failure.
     dns_refresh_s: float = 30.0
+    # A failed server triggers a new resolution, but never sooner than this after the last
+    # one: a replica that stays listed while dead must not turn every call into a query.
+    dns_min_interval_s: float = 1.0
+    dns_family: DnsFamily = "any"
+    # Where prompts are cut, hence the keys: storing and looking-up clients must agree.
+    prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS
+    chunk_min_tokens: int = DEFAULT_CHUNK_MIN_TOKENS
+    chunk_avg_tokens: int = DEFAULT_CHUNK_AVG_TOKENS
+    chunk_max_tokens: int = DEFAULT_CHUNK_MAX_TOKENS
     # TLS: on with tls=True or any tls_* file; the CA defaults to the system roots.
     tls: bool = False
     tls_ca_file: str | None = None
@@ -319,8 +379,18 @@ class ClientConfig:
             "connect_timeout_s",
         ):
             object.__setattr__(self, name, _positive(name, getattr(self, name)))
-        for name in ("down_backoff_s", "dns_refresh_s"):
+        for name in ("down_backoff_s", "dns_refresh_s", "dns_min_interval_s"):
             object.__setattr__(self, name, _positive(name, getattr(self, name), allow_zero=True))
+        if self.discover not in _DISCOVER_MODES:
+            raise InvalidArgumentError(
+                "discover", f"must be one of {_DISCOVER_MODES}, got {self.discover!r}"
+            )
+        if self.dns_family not in _DNS_FAMILIES:
+            raise InvalidArgumentError(
+                "dns_family", f"must be one of {_DNS_FAMILIES}, got {self.dns_family!r}"
+            )
+        _int_in("prefix_block_tokens", self.prefix_block_tokens, 1, _MAX_BLOCK_TOKENS)
+        self.content_chunker()  # the sizes must make a valid chunker
         if not isinstance(self.retry, RetryPolicy):
             raise InvalidArgumentError(
                 "retry", f"must be a RetryPolicy, got {type(self.retry).__name__}"
@@ -359,6 +429,28 @@ class ClientConfig:
             f is not None for f in (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
         )
 
+    def content_chunker(self) -> ContentChunker:
+        """The content chunker of the ``chunk_*_tokens`` sizes (position-independent keys)."""
+        sizes = {
+            "min_size": "chunk_min_tokens",
+            "avg_size": "chunk_avg_tokens",
+            "max_size": "chunk_max_tokens",
+        }
+        for name in sizes.values():
+            _int_in(name, getattr(self, name), 1, _MAX_BLOCK_TOKENS)
+        try:
+            return ContentChunker(
+                min_size=self.chunk_min_tokens,
+                avg_size=self.chunk_avg_tokens,
+                max_size=self.chunk_max_tokens,
+            )
+        except InvalidArgumentError as err:
+            # Name the config fields, not the chunker's.
+            reason = err.reason
+            for chunker_name, name in sizes.items():
+                reason = reason.replace(chunker_name, name)
+            raise InvalidArgumentError(sizes.get(err.argument, err.argument), reason) from None
+
     def method_timeouts(self) -> dict[str, float]:
         """Deadline in seconds of each KVCache method (pass it as each call's ``timeout``)."""
         return {
@@ -366,6 +458,8 @@ class ClientConfig:
             "Get": self.get_timeout_s,
             "Put": self.put_timeout_s,
             "Delete": self.control_timeout_s,
+            "AttachShm": self.control_timeout_s,
+            "DetachShm": self.control_timeout_s,
             "Stats": self.control_timeout_s,
         }
 
@@ -578,7 +672,14 @@ URL_PARAMS: dict[str, _Param] = {
     "store_queue_blocks": _Param("store_queue_blocks", _parse_int),
     "down_backoff": _Param("down_backoff_s", _parse_duration),
     "namespace": _Param("namespace", _parse_text),
+    "discover": _Param("discover", _parse_text),
     "dns_refresh": _Param("dns_refresh_s", _parse_duration),
+    "dns_min_interval": _Param("dns_min_interval_s", _parse_duration),
+    "dns_family": _Param("dns_family", _parse_text),
+    "prefix_block_tokens": _Param("prefix_block_tokens", _parse_int),
+    "chunk_min_tokens": _Param("chunk_min_tokens", _parse_int),
+    "chunk_avg_tokens": _Param("chunk_avg_tokens", _parse_int),
+    "chunk_max_tokens": _Param("chunk_max_tokens", _parse_int),
     "tls": _Param("tls", _parse_bool),
     "tls_ca_file": _Param("tls_ca_file", _parse_text),
     "tls_cert_file": _Param("tls_cert_file", _parse_text),

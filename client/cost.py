@@ -240,7 +240,7 @@ class CostModel:
             return stats.rtt.value
 
     def bandwidth_bytes_per_s(self, server: str) -> float | None:
-        """Measured transfer rate from ``server`` (None: too few samples; inf: RTT-bound)."""
+        """Measured transfer rate from ``server`` (None: too few samples)."""
         with self._lock:
             return self._bandwidth(self._servers.get(server))
 
@@ -251,9 +251,12 @@ class CostModel:
         rtt = stats.rtt.value if stats.rtt.count else 0.0
         transfer_s = stats.fetch_seconds.value - rtt
         if transfer_s <= 0.0:
-            # Every fetch finished within one round trip: the payload time is not
-            # measurable at this size, so it counts as free beside the RTT.
-            return float("inf")
+            # Fetches finished within one averaged round trip (small blocks, or shared
+            # memory beating the RTT): the payload time is not separable, so the whole
+            # call time counts as transfer. A lower bound on bandwidth, never "free": an
+            # infinite rate would price any later fetch, however large, at one RTT.
+            seconds = stats.fetch_seconds.value
+            return stats.fetch_bytes.value / seconds if seconds > 0.0 else float("inf")
         return stats.fetch_bytes.value / transfer_s
 
     def estimate_fetch_s(self, server: str, nbytes: int, *, with_rtt: bool = True) -> float | None:

@@ -20,8 +20,6 @@ from typing import Any, TypeVar
 import torch
 
 from nopecache.client.cache_client import (
-    DEFAULT_CHUNKER,
-    DEFAULT_PREFIX_BLOCK_TOKENS,
     AsyncCacheClient,
     AsyncPrefetch,
     KForm,
@@ -29,6 +27,7 @@ from nopecache.client.cache_client import (
 )
 from nopecache.client.chunking import Chunker, TokenIds
 from nopecache.client.config import ClientConfig
+from nopecache.client.discovery import Resolver
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fetching import FetchResult
 from nopecache.client.fingerprint import ModelFingerprint
@@ -62,12 +61,14 @@ class CacheClient:
         fingerprint: ModelFingerprint,
         rope: RopeSpec,
         v_head_dim: int,
-        prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
-        chunker: Chunker = DEFAULT_CHUNKER,
+        prefix_block_tokens: int | None = None,
+        chunker: Chunker | None = None,
         metrics: ClientMetrics | None = None,
         fast_path: FastPathFactory | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
-        """A client of the servers in ``config`` (a ClientConfig or a nopecache:// URL)."""
+        """A client of the servers in ``config`` (a ClientConfig or a nopecache:// URL);
+        the arguments are :class:`AsyncCacheClient`'s."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="nopecache-client", daemon=True
@@ -85,6 +86,7 @@ class CacheClient:
                 chunker=chunker,
                 metrics=metrics,
                 fast_path=fast_path,
+                resolver=resolver,
             )
             client._in_loop()
             return client
@@ -192,6 +194,10 @@ class CacheClient:
     def set_servers(self, servers: Sequence[str]) -> None:
         """See :meth:`AsyncCacheClient.set_servers`."""
         self._call(self._core.set_servers(servers))
+
+    def refresh_servers(self) -> tuple[str, ...]:
+        """See :meth:`AsyncCacheClient.refresh_servers`."""
+        return self._call(self._core.refresh_servers())
 
     def drain(self) -> None:
         """Wait until every queued store has finished."""

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bnopecache/proto/cache.proto\x12\x0cnopecache.v1\"#\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0cJ\x04\x08\x08\x10\x10\"0\n\x0bLookupReply\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\x12\n\ntier_names\x18\x02 \x03(\t\"?\n\x08PutFrame\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0cJ\x04\x08\x08\x10\x10\"a\n\tPutResult\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12)\n\x07outcome\x18\x02 \x01(\x0e\x32\x18.nopecache.v1.PutOutcome\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"4\n\x08PutReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.nopecache.v1.PutResult\" \n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0cJ\x04\x08\x08\x10\x10\"c\n\x08GetFrame\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04tier\x18\x02 \x01(\r\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\ntier_names\x18\x05 \x03(\tJ\x04\x08\x08\x10\x10\"#\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0cJ\x04\x08\x08\x10\x10\"\x1e\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\"\x14\n\x0cStatsRequestJ\x04\x08\x08\x10\x10\"\xa6\x01\n\x06Limits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\x04\x12\x1c\n\x14max_frame_data_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_request_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14max_keys_per_request\x18\x05 \x01(\x04\x12\x11\n\tkey_bytes\x18\x06 \x01(\r\"}\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\r\x12$\n\x06limits\x18\x03 \x01(\x0b\x32\x14.nopecache.v1.Limits\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x12\n\ntier_names\x18\x05 \x03(\t\"t\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x05 \x01(\x04\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\"^\n\nStatsReply\x12(\n\x06server\x18\x01 \x01(\x0b\x32\x18.nopecache.v1.ServerInfo\x12&\n\x05tiers\x18\x02 \x03(\x0b\x32\x17.nopecache.v1.TierStats*|\n\nPutOutcome\x12\x1b\n\x17PUT_OUTCOME_UNSPECIFIED\x10\x00\x12\x16\n\x12PUT_OUTCOME_STORED\x10\x01\x12\x1f\n\x1bPUT_OUTCOME_ALREADY_PRESENT\x10\x02\x12\x18\n\x14PUT_OUTCOME_REJECTED\x10\x03\x32\xc0\x02\n\x07KVCache\x12@\n\x06Lookup\x12\x1b.nopecache.v1.LookupRequest\x1a\x19.nopecache.v1.LookupReply\x12\x37\n\x03Put\x12\x16.nopecache.v1.PutFrame\x1a\x16.nopecache.v1.PutReply(\x01\x12\x39\n\x03Get\x12\x18.nopecache.v1.GetRequest\x1a\x16.nopecache.v1.GetFrame0\x01\x12@\n\x06\x44\x65lete\x12\x1b.nopecache.v1.DeleteRequest\x1a\x19.nopecache.v1.DeleteReply\x12=\n\x05Stats\x12\x1a.nopecache.v1.StatsRequest\x1a\x18.nopecache.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bnopecache/proto/cache.proto\x12\x0cnopecache.v1\"#\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0cJ\x04\x08\x08\x10\x10\"0\n\x0bLookupReply\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\x12\n\ntier_names\x18\x02 \x03(\t\"?\n\x08PutFrame\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0cJ\x04\x08\x08\x10\x10\"a\n\tPutResult\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12)\n\x07outcome\x18\x02 \x01(\x0e\x32\x18.nopecache.v1.PutOutcome\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"4\n\x08PutReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.nopecache.v1.PutResult\"[\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x13\n\x0bshm_session\x18\x08 \x01(\x0c\x12\x12\n\nshm_offset\x18\t \x01(\x04\x12\x10\n\x08shm_size\x18\n \x01(\x04J\x04\x08\x0b\x10\x10\"\x8b\x01\n\x08GetFrame\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04tier\x18\x02 \x01(\r\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\ntier_names\x18\x05 \x03(\t\x12\x12\n\nshm_offset\x18\x08 \x01(\x04\x12\x12\n\nshm_length\x18\t \x01(\x04J\x04\x08\n\x10\x10\"#\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0cJ\x04\x08\x08\x10\x10\"\x1e\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\"\x14\n\x0cStatsRequestJ\x04\x08\x08\x10\x10\"C\n\x10\x41ttachShmRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\x0cJ\x04\x08\x08\x10\x10\"K\n\x0e\x41ttachShmReply\x12\x0f\n\x07session\x18\x01 \x01(\x0c\x12\x0f\n\x07refused\x18\x02 \x01(\t\x12\x17\n\x0fidle_timeout_ms\x18\x03 \x01(\x04\")\n\x10\x44\x65tachShmRequest\x12\x0f\n\x07session\x18\x01 \x01(\x0cJ\x04\x08\x08\x10\x10\"\"\n\x0e\x44\x65tachShmReply\x12\x10\n\x08\x64\x65tached\x18\x01 \x01(\x08\"\xa6\x01\n\x06Limits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\x04\x12\x1c\n\x14max_frame_data_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_request_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14max_keys_per_request\x18\x05 \x01(\x04\x12\x11\n\tkey_bytes\x18\x06 \x01(\r\"}\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\r\x12$\n\x06limits\x18\x03 \x01(\x0b\x32\x14.nopecache.v1.Limits\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x12\n\ntier_names\x18\x05 \x03(\t\"t\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x05 \x01(\x04\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\"^\n\nStatsReply\x12(\n\x06server\x18\x01 \x01(\x0b\x32\x18.nopecache.v1.ServerInfo\x12&\n\x05tiers\x18\x02 \x03(\x0b\x32\x17.nopecache.v1.TierStats*|\n\nPutOutcome\x12\x1b\n\x17PUT_OUTCOME_UNSPECIFIED\x10\x00\x12\x16\n\x12PUT_OUTCOME_STORED\x10\x01\x12\x1f\n\x1bPUT_OUTCOME_ALREADY_PRESENT\x10\x02\x12\x18\n\x14PUT_OUTCOME_REJECTED\x10\x03\x32\xd6\x03\n\x07KVCache\x12@\n\x06Lookup\x12\x1b.nopecache.v1.LookupRequest\x1a\x19.nopecache.v1.LookupReply\x12\x37\n\x03Put\x12\x16.nopecache.v1.PutFrame\x1a\x16.nopecache.v1.PutReply(\x01\x12\x39\n\x03Get\x12\x18.nopecache.v1.GetRequest\x1a\x16.nopecache.v1.GetFrame0\x01\x12@\n\x06\x44\x65lete\x12\x1b.nopecache.v1.DeleteRequest\x1a\x19.nopecache.v1.DeleteReply\x12=\n\x05Stats\x12\x1a.nopecache.v1.StatsRequest\x1a\x18.nopecache.v1.StatsReply\x12I\n\tAttachShm\x12\x1e.nopecache.v1.AttachShmRequest\x1a\x1c.nopecache.v1.AttachShmReply\x12I\n\tDetachShm\x12\x1e.nopecache.v1.DetachShmRequest\x1a\x1c.nopecache.v1.DetachShmReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nopecache.proto.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUTOUTCOME']._serialized_start=1086
-  _globals['_PUTOUTCOME']._serialized_end=1210
+  _globals['_PUTOUTCOME']._serialized_start=1411
+  _globals['_PUTOUTCOME']._serialized_end=1535
   _globals['_LOOKUPREQUEST']._serialized_start=45
   _globals['_LOOKUPREQUEST']._serialized_end=80
   _globals['_LOOKUPREPLY']._serialized_start=82
@@ -44,23 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTREPLY']._serialized_start=296
   _globals['_PUTREPLY']._serialized_end=348
   _globals['_GETREQUEST']._serialized_start=350
-  _globals['_GETREQUEST']._serialized_end=382
-  _globals['_GETFRAME']._serialized_start=384
-  _globals['_GETFRAME']._serialized_end=483
-  _globals['_DELETEREQUEST']._serialized_start=485
-  _globals['_DELETEREQUEST']._serialized_end=520
-  _globals['_DELETEREPLY']._serialized_start=522
-  _globals['_DELETEREPLY']._serialized_end=552
-  _globals['_STATSREQUEST']._serialized_start=554
-  _globals['_STATSREQUEST']._serialized_end=574
-  _globals['_LIMITS']._serialized_start=577
-  _globals['_LIMITS']._serialized_end=743
-  _globals['_SERVERINFO']._serialized_start=745
-  _globals['_SERVERINFO']._serialized_end=870
-  _globals['_TIERSTATS']._serialized_start=872
-  _globals['_TIERSTATS']._serialized_end=988
-  _globals['_STATSREPLY']._serialized_start=990
-  _globals['_STATSREPLY']._serialized_end=1084
-  _globals['_KVCACHE']._serialized_start=1213
-  _globals['_KVCACHE']._serialized_end=1533
+  _globals['_GETREQUEST']._serialized_end=441
+  _globals['_GETFRAME']._serialized_start=444
+  _globals['_GETFRAME']._serialized_end=583
+  _globals['_DELETEREQUEST']._serialized_start=585
+  _globals['_DELETEREQUEST']._serialized_end=620
+  _globals['_DELETEREPLY']._serialized_start=622
+  _globals['_DELETEREPLY']._serialized_end=652
+  _globals['_STATSREQUEST']._serialized_start=654
+  _globals['_STATSREQUEST']._serialized_end=674
+  _globals['_ATTACHSHMREQUEST']._serialized_start=676
+  _globals['_ATTACHSHMREQUEST']._serialized_end=743
+  _globals['_ATTACHSHMREPLY']._serialized_start=745
+  _globals['_ATTACHSHMREPLY']._serialized_end=820
+  _globals['_DETACHSHMREQUEST']._serialized_start=822
+  _globals['_DETACHSHMREQUEST']._serialized_end=863
+  _globals['_DETACHSHMREPLY']._serialized_start=865
+  _globals['_DETACHSHMREPLY']._serialized_end=899
+  _globals['_LIMITS']._serialized_start=902
+  _globals['_LIMITS']._serialized_end=1068
+  _globals['_SERVERINFO']._serialized_start=1070
+  _globals['_SERVERINFO']._serialized_end=1195
+  _globals['_TIERSTATS']._serialized_start=1197
+  _globals['_TIERSTATS']._serialized_end=1313
+  _globals['_STATSREPLY']._serialized_start=1315
+  _globals['_STATSREPLY']._serialized_end=1409
+  _globals['_KVCACHE']._serialized_start=1538
+  _globals['_KVCACHE']._serialized_end=2008
 # @@protoc_insertion_point(module_scope)

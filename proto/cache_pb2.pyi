@@ -21,6 +21,26 @@ than `limits.max_frame_data_bytes` travels as several frames:
 
 Field numbers 8-15 of every request are held back for transport and tenancy extensions
 (same-host shared-memory payloads, per-tenant namespaces); do not use them for anything else.
+GetRequest 8-10 and GetFrame 8-9 carry the shared-memory fast path (below).
+
+Same-host fast path. A client on the server's host (ServerInfo.host_id) may create a POSIX
+shared-memory segment, a file directly in /dev/shm, and hand it over with AttachShm:
+
+  offset 0     16    32         48             4096                          size
+         | magic | nonce | session |  reserved   | windows: Get payloads ...    |
+           client  client  server
+
+  magic    the 16 ASCII bytes "nopecache-shm-v1"
+  nonce    16 random bytes, also sent in AttachShmRequest.nonce: the server reading the same
+           nonce proves it mapped the same memory (same host, same /dev/shm)
+  session  written by the server once attached (= AttachShmReply.session): proves to the
+           client that the server's writes reach it
+
+The client unlinks the name as soon as AttachShm returns, so nothing is left in /dev/shm
+whatever happens to either process later; both keep their mappings, and the memory is
+freed when the last one unmaps. A Get naming the session and a window of the segment
+receives each hit that fits the window copied into it (64-byte aligned, in key order),
+announced by a frame with shm_offset/shm_length instead of data.
 
 PutFrame and GetFrame carry the block bytes and are encoded/decoded by hand on the server
 (cache_server/service.py: the protobuf runtime is too slow for MiB-sized bytes fields).
@@ -203,16 +223,31 @@ class GetRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEYS_FIELD_NUMBER: _builtins.int
+    SHM_SESSION_FIELD_NUMBER: _builtins.int
+    SHM_OFFSET_FIELD_NUMBER: _builtins.int
+    SHM_SIZE_FIELD_NUMBER: _builtins.int
     keys: _builtins.bytes
     """Concatenated 16-byte keys."""
+    shm_session: _builtins.bytes
+    """Optional shared-memory target: a session from AttachShm and the window
+    [shm_offset, shm_offset + shm_size) of its segment that the client reserved for this
+    call. Each hit that fits the rest of the window is copied into it and announced by a
+    frame with shm_offset/shm_length; a hit that does not fit travels as data frames. An
+    unknown or expired session fails the call with FAILED_PRECONDITION.
+    """
+    shm_offset: _builtins.int
+    shm_size: _builtins.int
     def __init__(
         self,
         *,
         keys: _builtins.bytes = ...,
+        shm_session: _builtins.bytes = ...,
+        shm_offset: _builtins.int = ...,
+        shm_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "shm_offset", b"shm_offset", "shm_session", b"shm_session", "shm_size", b"shm_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -232,6 +267,8 @@ class GetFrame(_message.Message):
     TOTAL_SIZE_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     TIER_NAMES_FIELD_NUMBER: _builtins.int
+    SHM_OFFSET_FIELD_NUMBER: _builtins.int
+    SHM_LENGTH_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position of the key in GetRequest.keys (key number, not byte offset)."""
     tier: _builtins.int
@@ -239,6 +276,11 @@ class GetFrame(_message.Message):
     total_size: _builtins.int
     """On a hit's first frame: the byte length of the whole block."""
     data: _builtins.bytes
+    shm_offset: _builtins.int
+    """A hit written into the call's shared-memory window: where in the segment, and its length
+    (= total_size; never 0, so a non-zero shm_length marks such a frame). It has no data.
+    """
+    shm_length: _builtins.int
     @_builtins.property
     def tier_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Set on the first frame of the stream only: names of the tiers the codes refer to."""
@@ -251,10 +293,12 @@ class GetFrame(_message.Message):
         total_size: _builtins.int = ...,
         data: _builtins.bytes = ...,
         tier_names: _abc.Iterable[_builtins.str] | None = ...,
+        shm_offset: _builtins.int = ...,
+        shm_length: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "index", b"index", "tier", b"tier", "tier_names", b"tier_names", "total_size", b"total_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "index", b"index", "shm_length", b"shm_length", "shm_offset", b"shm_offset", "tier", b"tier", "tier_names", b"tier_names", "total_size", b"total_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -314,6 +358,103 @@ class StatsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsRequest: _TypeAlias = StatsRequest  # noqa: Y015
+
+@_typing.final
+class AttachShmRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The segment's file name in /dev/shm: "nopecache-" then 1-200 of [A-Za-z0-9_.-]."""
+    size: _builtins.int
+    """The segment's byte size (header included; the file must be exactly this size)."""
+    nonce: _builtins.bytes
+    """The 16 random bytes the client wrote at offset 16 of the segment."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "nonce", b"nonce", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachShmRequest: _TypeAlias = AttachShmRequest  # noqa: Y015
+
+@_typing.final
+class AttachShmReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    IDLE_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    session: _builtins.bytes
+    """The 16-byte session id Get and DetachShm name; empty when the server refused."""
+    refused: _builtins.str
+    """Why the segment was not attached (empty when attached): e.g. no such segment on the
+    server's host, a nonce that does not match, the session table full.
+    """
+    idle_timeout_ms: _builtins.int
+    """The server drops a session unused for this long (the client attaches again after)."""
+    def __init__(
+        self,
+        *,
+        session: _builtins.bytes = ...,
+        refused: _builtins.str = ...,
+        idle_timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_timeout_ms", b"idle_timeout_ms", "refused", b"refused", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachShmReply: _TypeAlias = AttachShmReply  # noqa: Y015
+
+@_typing.final
+class DetachShmRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    session: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        session: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetachShmRequest: _TypeAlias = DetachShmRequest  # noqa: Y015
+
+@_typing.final
+class DetachShmReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DETACHED_FIELD_NUMBER: _builtins.int
+    detached: _builtins.bool
+    """Whether the session existed (and is now dropped)."""
+    def __init__(
+        self,
+        *,
+        detached: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detached", b"detached"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetachShmReply: _TypeAlias = DetachShmReply  # noqa: Y015
 
 @_typing.final
 class Limits(_message.Message):

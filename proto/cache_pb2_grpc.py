@@ -60,6 +60,16 @@ class KVCacheStub:
                 request_serializer=nopecache_dot_proto_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=nopecache_dot_proto_dot_cache__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.AttachShm = channel.unary_unary(
+                '/nopecache.v1.KVCache/AttachShm',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.AttachShmRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.AttachShmReply.FromString,
+                _registered_method=True)
+        self.DetachShm = channel.unary_unary(
+                '/nopecache.v1.KVCache/DetachShm',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.DetachShmRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.DetachShmReply.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -102,6 +112,21 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachShm(self, request, context):
+        """Maps a client's shared-memory segment for Get payloads (same host only). A segment the
+        server cannot use (another host, another /dev/shm) is a normal reply with `refused` set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachShm(self, request, context):
+        """Ends a session made by AttachShm: the server unmaps the segment.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +154,16 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=nopecache_dot_proto_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=nopecache_dot_proto_dot_cache__pb2.StatsReply.SerializeToString,
+            ),
+            'AttachShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachShm,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.AttachShmRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.AttachShmReply.SerializeToString,
+            ),
+            'DetachShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachShm,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.DetachShmRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.DetachShmReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +302,60 @@ class KVCache:
             '/nopecache.v1.KVCache/Stats',
             nopecache_dot_proto_dot_cache__pb2.StatsRequest.SerializeToString,
             nopecache_dot_proto_dot_cache__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.KVCache/AttachShm',
+            nopecache_dot_proto_dot_cache__pb2.AttachShmRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.AttachShmReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.KVCache/DetachShm',
+            nopecache_dot_proto_dot_cache__pb2.DetachShmRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.DetachShmReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,26 @@ than `limits.max_frame_data_bytes` travels as several frames:
 
 Field numbers 8-15 of every request are held back for transport and tenancy extensions
 (same-host shared-memory payloads, per-tenant namespaces); do not use them for anything else.
+GetRequest 8-10 and GetFrame 8-9 carry the shared-memory fast path (below).
+
+Same-host fast path. A client on the server's host (ServerInfo.host_id) may create a POSIX
+shared-memory segment, a file directly in /dev/shm, and hand it over with AttachShm:
+
+  offset 0     16    32         48             4096                          size
+         | magic | nonce | session |  reserved   | windows: Get payloads ...    |
+           client  client  server
+
+  magic    the 16 ASCII bytes "nopecache-shm-v1"
+  nonce    16 random bytes, also sent in AttachShmRequest.nonce: the server reading the same
+           nonce proves it mapped the same memory (same host, same /dev/shm)
+  session  written by the server once attached (= AttachShmReply.session): proves to the
+           client that the server's writes reach it
+
+The client unlinks the name as soon as AttachShm returns, so nothing is left in /dev/shm
+whatever happens to either process later; both keep their mappings, and the memory is
+freed when the last one unmaps. A Get naming the session and a window of the segment
+receives each hit that fits the window copied into it (64-byte aligned, in key order),
+announced by a frame with shm_offset/shm_length instead of data.
 
 PutFrame and GetFrame carry the block bytes and are encoded/decoded by hand on the server
 (cache_server/service.py: the protobuf runtime is too slow for MiB-sized bytes fields).
@@ -69,6 +89,12 @@ class KVCacheStub:
     """Removes keys from every tier."""
     Stats: _grpc.UnaryUnaryMultiCallable[_cache_pb2.StatsRequest, _cache_pb2.StatsReply]
     """Tier statistics and server information (version, limits)."""
+    AttachShm: _grpc.UnaryUnaryMultiCallable[_cache_pb2.AttachShmRequest, _cache_pb2.AttachShmReply]
+    """Maps a client's shared-memory segment for Get payloads (same host only). A segment the
+    server cannot use (another host, another /dev/shm) is a normal reply with `refused` set.
+    """
+    DetachShm: _grpc.UnaryUnaryMultiCallable[_cache_pb2.DetachShmRequest, _cache_pb2.DetachShmReply]
+    """Ends a session made by AttachShm: the server unmaps the segment."""
 
 @_typing.type_check_only
 class KVCacheAsyncStub(KVCacheStub):
@@ -87,6 +113,12 @@ class KVCacheAsyncStub(KVCacheStub):
     """Removes keys from every tier."""
     Stats: _aio.UnaryUnaryMultiCallable[_cache_pb2.StatsRequest, _cache_pb2.StatsReply]  # type: ignore[assignment]
     """Tier statistics and server information (version, limits)."""
+    AttachShm: _aio.UnaryUnaryMultiCallable[_cache_pb2.AttachShmRequest, _cache_pb2.AttachShmReply]  # type: ignore[assignment]
+    """Maps a client's shared-memory segment for Get payloads (same host only). A segment the
+    server cannot use (another host, another /dev/shm) is a normal reply with `refused` set.
+    """
+    DetachShm: _aio.UnaryUnaryMultiCallable[_cache_pb2.DetachShmRequest, _cache_pb2.DetachShmReply]  # type: ignore[assignment]
+    """Ends a session made by AttachShm: the server unmaps the segment."""
 
 class KVCacheServicer(metaclass=_abc_1.ABCMeta):
     """The KV-block cache."""
@@ -132,5 +164,23 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cache_pb2.StatsReply, _abc.Awaitable[_cache_pb2.StatsReply]]:
         """Tier statistics and server information (version, limits)."""
+
+    @_abc_1.abstractmethod
+    def AttachShm(
+        self,
+        request: _cache_pb2.AttachShmRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.AttachShmReply, _abc.Awaitable[_cache_pb2.AttachShmReply]]:
+        """Maps a client's shared-memory segment for Get payloads (same host only). A segment the
+        server cannot use (another host, another /dev/shm) is a normal reply with `refused` set.
+        """
+
+    @_abc_1.abstractmethod
+    def DetachShm(
+        self,
+        request: _cache_pb2.DetachShmRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.DetachShmReply, _abc.Awaitable[_cache_pb2.DetachShmReply]]:
+        """Ends a session made by AttachShm: the server unmaps the segment."""
 
 def add_KVCacheServicer_to_server(servicer: KVCacheServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,4 +1,5 @@
-"""ClientConfig: validation, the URL form, and the gRPC service config on real channels."""
+"""ClientConfig: validation, the URL form, the gRPC service config on real channels, and
+clients agreeing on keys through the URL (against a real server)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ from dataclasses import replace
 
 import grpc
 import pytest
+import torch
+from server_procs import CacheServerProc
 
 from nopecache.cache_server.config import DEFAULT_PORT as SERVER_DEFAULT_PORT
 from nopecache.cache_server.config import ServerConfig
+from nopecache.client import CacheClient, ModelFingerprint
+from nopecache.client.cache_client import DEFAULT_CHUNKER
+from nopecache.client.chunking import ContentChunker, FixedChunker
 from nopecache.client.config import (
     DEFAULT_PORT,
+    DEFAULT_PREFIX_BLOCK_TOKENS,
     ENV_URL,
     METHODS,
     SERVICE,
@@ -23,11 +30,14 @@ from nopecache.client.config import (
     RetryPolicy,
     config_fields,
     normalize_server,
+    split_server,
     url_fields,
 )
 from nopecache.client.cost import CostConfig
 from nopecache.client.errors import InvalidArgumentError
+from nopecache.kernels import RopeSpec
 from nopecache.proto import cache_pb2
+from nopecache.proto.block import StoredForm
 
 # -- defaults and agreement with the server ---------------------------------------------
 
@@ -46,7 +56,12 @@ def test_defaults() -> None:
     assert cfg.down_backoff_s == 1.0
     assert cfg.cost == CostConfig()
     assert cfg.namespace == ""
+    assert cfg.discover == "off"
     assert cfg.dns_refresh_s == 30.0
+    assert cfg.dns_min_interval_s == 1.0
+    assert cfg.dns_family == "any"
+    assert cfg.prefix_block_tokens == 256
+    assert (cfg.chunk_min_tokens, cfg.chunk_avg_tokens, cfg.chunk_max_tokens) == (16, 64, 256)
     assert (cfg.tls, cfg.tls_ca_file, cfg.tls_cert_file, cfg.tls_key_file) == (
         False,
         None,
@@ -124,6 +139,18 @@ def test_servers_are_normalized_and_distinct() -> None:
         ({"connect_timeout_s": True}, "connect_timeout_s"),
         ({"down_backoff_s": -0.1}, "down_backoff_s"),
         ({"dns_refresh_s": float("nan")}, "dns_refresh_s"),
+        ({"dns_min_interval_s": -1}, "dns_min_interval_s"),
+        ({"discover": "srv"}, "discover"),
+        ({"discover": True}, "discover"),
+        ({"dns_family": "inet"}, "dns_family"),
+        ({"prefix_block_tokens": 0}, "prefix_block_tokens"),
+        ({"prefix_block_tokens": 16.0}, "prefix_block_tokens"),
+        ({"chunk_min_tokens": 0}, "chunk_min_tokens"),
+        ({"chunk_min_tokens": 128}, "chunk_min_tokens"),
+        ({"chunk_avg_tokens": 300}, "chunk_avg_tokens"),
+        ({"chunk_avg_tokens": 20}, "chunk_avg_tokens"),
+        ({"chunk_max_tokens": 0}, "chunk_max_tokens"),
+        ({"chunk_max_tokens": "256"}, "chunk_max_tokens"),
         ({"retry": {"max_attempts": 3}}, "retry"),
         ({"shm": "yes"}, "shm"),
         ({"max_message_bytes": 1024}, "max_message_bytes"),
@@ -242,7 +269,14 @@ def _everything_changed() -> ClientConfig:
             ewma_alpha=0.5,
         ),
         namespace="tenant/α&b=c",
+        discover="dns",
         dns_refresh_s=0.0,
+        dns_min_interval_s=0.25,
+        dns_family="ipv6",
+        prefix_block_tokens=16,
+        chunk_min_tokens=4,
+        chunk_avg_tokens=16,
+        chunk_max_tokens=32,
         tls=True,
         tls_ca_file="/etc/ca dir/ca.pem",
         tls_cert_file="/c.pem",
@@ -290,7 +324,14 @@ BAD_VALUES = {
     "store_queue_blocks": "many",
     "down_backoff": "-5ms",
     "namespace": None,  # any text is a valid namespace
+    "discover": "srv",
     "dns_refresh": "nan",
+    "dns_min_interval": "soon",
+    "dns_family": "v4",
+    "prefix_block_tokens": "0",
+    "chunk_min_tokens": "-4",
+    "chunk_avg_tokens": "1000",
+    "chunk_max_tokens": "sixteen",
     "tls": "maybe",
     "tls_ca_file": "",
     "tls_cert_file": "",
@@ -343,6 +384,93 @@ def test_bad_url(url: str, argument: str) -> None:
     assert err.value.argument == argument
 
 
+def test_discovery_and_chunking_from_url() -> None:
+    cfg = ClientConfig.from_url(
+        "nopecache://nopecache-headless.ns.svc.cluster.local:50551?discover=dns"
+        "&dns_refresh=10s&dns_min_interval=250ms&dns_family=ipv4"
+        "&prefix_block_tokens=16&chunk_min_tokens=4&chunk_avg_tokens=16&chunk_max_tokens=32"
+    )
+    assert cfg.servers == ("nopecache-headless.ns.svc.cluster.local:50551",)
+    assert (cfg.discover, cfg.dns_refresh_s, cfg.dns_min_interval_s, cfg.dns_family) == (
+        "dns",
+        10.0,
+        0.25,
+        "ipv4",
+    )
+    assert cfg.prefix_block_tokens == 16
+    assert cfg.content_chunker() == ContentChunker(min_size=4, avg_size=16, max_size=32)
+    assert ClientConfig(("h:1",)).content_chunker() == DEFAULT_CHUNKER
+
+
+def test_chunk_size_errors_name_the_url_parameters() -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        ClientConfig.from_url("nopecache://h:1?chunk_min_tokens=100")
+    assert str(err.value) == "chunk_min_tokens: 100 exceeds chunk_avg_tokens 64"
+    with pytest.raises(InvalidArgumentError) as err:
+        ClientConfig.from_url("nopecache://h:1?chunk_max_tokens=48")
+    assert str(err.value) == "chunk_avg_tokens: 64 exceeds chunk_max_tokens 48"
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("h:1", ("h", 1)),
+        ("H", ("h", DEFAULT_PORT)),
+        ("[::1]:7", ("::1", 7)),
+        ("1.2.3.4:5", ("1.2.3.4", 5)),
+    ],
+)
+def test_split_server(address: str, expected: tuple[str, int]) -> None:
+    assert split_server(address) == expected
+
+
+def _tiny_client(url: str, **overrides: object) -> CacheClient:
+    spec = RopeSpec.default(8)
+    fp = ModelFingerprint.from_rope_spec(
+        model="tiny",
+        revision="1",
+        num_layers=2,
+        num_kv_heads=2,
+        dtype=torch.float32,
+        form=StoredForm.NOPE,
+        rope=spec,
+    )
+    return CacheClient(url, fingerprint=fp, rope=spec, v_head_dim=8, **overrides)  # type: ignore[arg-type]
+
+
+def test_clients_agree_on_keys_through_the_url(cache_server: CacheServerProc) -> None:
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 5000, (96,), generator=g)
+    kv = (torch.randn(2, 96, 2, 8, generator=g), torch.randn(2, 96, 2, 8, generator=g))
+    base = f"nopecache://{cache_server.address}?namespace=agree&cost_enabled=false"
+    url = (
+        base + "&prefix_block_tokens=16&chunk_min_tokens=4&chunk_avg_tokens=16&chunk_max_tokens=32"
+    )
+    with _tiny_client(url) as storing, _tiny_client(url) as looking:
+        assert looking.core.prefix_chunker == FixedChunker(16)
+        assert looking.core.chunker == ContentChunker(min_size=4, avg_size=16, max_size=32)
+        report = storing.store(tokens, kv)
+        assert report.stored > 6 and report.failed == 0
+        plan = looking.lookup(tokens)
+        assert plan.prefix_end == 96  # six blocks of 16
+        assert looking.lookup(tokens[8:]).hits  # content chunks found at another offset
+        stored_spans = set(storing.core.chunker.split(tokens))
+    # A client with other sizes cuts elsewhere: only chunks both cut alike are found.
+    with _tiny_client(base) as other:
+        assert other.core.prefix_chunker == FixedChunker(DEFAULT_PREFIX_BLOCK_TOKENS)
+        assert other.core.chunker == DEFAULT_CHUNKER
+        spans = set(other.core.chunker.split(tokens))
+        assert spans != stored_spans
+        plan = other.lookup(tokens)
+        assert plan.prefix_end == 0
+        assert {h.target for h in plan.hits} == spans & stored_spans
+    # Arguments given in code win over the URL.
+    chunker = ContentChunker(min_size=8, avg_size=32, max_size=64)
+    with _tiny_client(url, prefix_block_tokens=32, chunker=chunker) as explicit:
+        assert explicit.core.prefix_chunker == FixedChunker(32)
+        assert explicit.core.chunker == chunker
+
+
 def test_from_env() -> None:
     env = {ENV_URL: "nopecache://e:1?namespace=t"}
     assert ClientConfig.from_env(env) == ClientConfig(("e:1",), namespace="t")
@@ -391,6 +519,8 @@ def test_service_config_json() -> None:
         "Get": 5.0,
         "Put": 10.0,
         "Delete": 2.0,
+        "AttachShm": 2.0,
+        "DetachShm": 2.0,
         "Stats": 2.0,
     }
     assert cfg.service_config_json() == RetryPolicy().service_config_json()

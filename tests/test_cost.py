@@ -162,8 +162,12 @@ def test_rtt_bound_and_rtt_free_estimates() -> None:
     bound = CostModel(CostConfig(min_samples=1))
     bound.observe_rtt(FAST, 0.002)
     bound.observe_fetch(FAST, 1000, 0.0015)  # done within one round trip
-    assert bound.bandwidth_bytes_per_s(FAST) == float("inf")
-    assert bound.estimate_fetch_s(FAST, 10**12) == 0.002
+    # Regression: this used to be an infinite rate, pricing a 1 TB fetch at one RTT.
+    # The whole call time counts as transfer instead (a lower bound on bandwidth).
+    assert bound.bandwidth_bytes_per_s(FAST) == pytest.approx(1000 / 0.0015, rel=EXACT)
+    assert bound.estimate_fetch_s(FAST, 10**12) == pytest.approx(
+        0.002 + 10**12 * 0.0015 / 1000, rel=EXACT
+    )
     no_rtt = CostModel(CostConfig(min_samples=1))
     no_rtt.observe_fetch(FAST, 4 * MB, 0.002)  # no RTT samples: all time is transfer
     assert no_rtt.rtt_s(FAST) is None

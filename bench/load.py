@@ -1,0 +1,294 @@
+"""Load test: 64 concurrent clients with a mixed put/get/lookup workload against one server
+process, for a bounded time, measuring throughput, latency, errors and server memory.
+
+Setup (loopback only): the server runs as its own process with a CPU tier of
+``--capacity`` bytes (``pinned=no``), tune_malloc as configured by ``--tune-malloc``.
+64 asyncio client tasks share 8 channels (8 connections) and, until ``--seconds`` pass,
+each loops over one operation at a time:
+
+    40% Put     one block of 32 KiB, 128 KiB or 512 KiB (the key picks the size)
+    40% Get     1-4 keys (hits and misses), every returned block compared bit for bit
+    20% Lookup  64 keys
+
+Keys come from a space whose blocks add up to about twice the capacity, so the tier
+evicts all along. Blocks are built on the fly from the key (deterministic payload), so
+the client holds no copy of the data set.
+
+Reported: ops/s, p50/p99 latency per operation and overall, errors (failed RPCs, refused
+blocks, wrong bytes), the server's peak RSS (sampled from /proc every 100 ms) against
+the configured capacity, and its RSS when idle before the load. What the RSS is made of
+(measured on the dev machine): the CPU pool, resident from the start (it is a zeroed
+``bytearray``); about 60 MiB of interpreter, gRPC, numpy and protobuf whatever the
+capacity; and 30-40 MiB of in-flight buffers under this load (gRPC messages, staged Put
+blocks, Get copies; ``tune_malloc`` keeps them for reuse). The fixed part makes the
+ratio capacity-dependent: about 1.10 at the default 1 GiB, about 1.4 at 256 MiB.
+Last line::
+
+    RESULT ops=... ops_per_s=... p50_ms=... p99_ms=... errors=... rss_mib=...
+           capacity_mib=... rss_over_capacity=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nopecache.proto import cache_pb2 as pb
+from nopecache.proto import cache_pb2_grpc
+from nopecache.proto.block import StoredForm, build_block
+
+TASKS = 64
+CHANNELS = 8
+SIZES = (32 * 1024, 128 * 1024, 512 * 1024)
+FRAME = 4 * 1024 * 1024 - 4096  # the server's default max_frame_data_bytes
+_NOISE = random.Random(0).randbytes(max(SIZES) + 4096)
+
+
+def key_of(i: int) -> bytes:
+    """The 16-byte key of block number ``i``."""
+    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
+
+
+def block_of(i: int) -> bytes:
+    """Block ``i``: a valid float16 block whose size and payload follow from ``i``."""
+    size = SIZES[i % len(SIZES)]
+    head_dim = 64
+    tokens = size // (2 * 2 * head_dim)
+    offset = (i * 7919) % 4096
+    return build_block(
+        key=key_of(i),
+        fingerprint=b"load-model",
+        form=StoredForm.NOPE,
+        dtype="float16",
+        shape=(1, tokens, 1, head_dim),
+        v_head_dim=head_dim,
+        token_ids=list(range(tokens)),
+        payload=_NOISE[offset : offset + 4 * tokens * head_dim],
+    )
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid``."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class Server:
+    """The server process under test."""
+
+    def __init__(self, workdir: Path, capacity: int, tune: bool) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = workdir / "server.log"
+        self.command = [
+            sys.executable,
+            *("-m", "nopecache.cache_server", "--host", "127.0.0.1", "--port", str(self.port)),
+            *("--no-metrics", "--tier", f"cpu://?capacity={capacity}&pinned=no"),
+            "--tune-malloc" if tune else "--no-tune-malloc",
+            *("--max-streams-per-client", "1024", "--log-level", "WARNING"),
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        """Where clients connect."""
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> int:
+        """Start the server, wait until SERVING; its pid."""
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    request = health_pb2.HealthCheckRequest(service="nopecache.v1.KVCache")
+                    if health.Check(request, timeout=1).status == 1:
+                        return self.proc.pid
+                except grpc.RpcError:
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"server did not start: {self.log.read_text()[-2000:]}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM, then wait."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+class Load:
+    """The client side: counters shared by the tasks."""
+
+    def __init__(self, n_keys: int, seconds: float) -> None:
+        self.n_keys = n_keys
+        self.seconds = seconds
+        self.latency: dict[str, list[float]] = {"Put": [], "Get": [], "Lookup": []}
+        self.errors: list[str] = []
+        self.hits = self.misses = 0
+
+    async def task(self, stub: cache_pb2_grpc.KVCacheAsyncStub, seed: int, end: float) -> None:
+        """One client: operations back to back until ``end``."""
+        rng = random.Random(seed)
+        while time.monotonic() < end:
+            op = rng.choices(("Put", "Get", "Lookup"), (4, 4, 2))[0]
+            started = time.perf_counter()
+            try:
+                if op == "Put":
+                    await self._put(stub, rng.randrange(self.n_keys))
+                elif op == "Get":
+                    await self._get(
+                        stub, [rng.randrange(self.n_keys) for _ in range(rng.randint(1, 4))]
+                    )
+                else:
+                    keys = b"".join(key_of(rng.randrange(self.n_keys)) for _ in range(64))
+                    reply = await stub.Lookup(pb.LookupRequest(keys=keys))
+                    if len(reply.tiers) != 64:
+                        self.errors.append("Lookup: wrong answer length")
+            except grpc.aio.AioRpcError as e:
+                self.errors.append(f"{op}: {e.code().name} {e.details()}")
+            self.latency[op].append(time.perf_counter() - started)
+
+    async def _put(self, stub: cache_pb2_grpc.KVCacheAsyncStub, i: int) -> None:
+        blob = block_of(i)
+
+        async def frames() -> AsyncIterator[pb.PutFrame]:
+            yield pb.PutFrame(key=key_of(i), total_size=len(blob), data=blob)
+
+        reply = await stub.Put(frames())
+        if reply.results[0].outcome == pb.PUT_OUTCOME_REJECTED:
+            self.errors.append(f"Put: rejected: {reply.results[0].reason}")
+
+    async def _get(self, stub: cache_pb2_grpc.KVCacheAsyncStub, ids: Sequence[int]) -> None:
+        parts: dict[int, list[bytes]] = {}
+        async for frame in stub.Get(pb.GetRequest(keys=b"".join(key_of(i) for i in ids))):
+            if frame.tier or frame.index in parts:
+                parts.setdefault(frame.index, []).append(frame.data)
+        for index, i in enumerate(ids):
+            if index not in parts:
+                self.misses += 1
+            elif b"".join(parts[index]) != block_of(i):
+                self.errors.append(f"Get: wrong bytes for block {i}")
+            else:
+                self.hits += 1
+
+
+async def run_load(address: str, load: Load) -> float:
+    """Run the 64 tasks; the wall time they took."""
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(CHANNELS)
+    ]
+    stubs = [cache_pb2_grpc.KVCacheStub(c) for c in channels]
+    started = time.monotonic()
+    end = started + load.seconds
+    await asyncio.gather(*(load.task(stubs[n % CHANNELS], n, end) for n in range(TASKS)))
+    elapsed = time.monotonic() - started
+    for channel in channels:
+        await channel.close(None)
+    return elapsed
+
+
+async def sample_rss(pid: int, peak: list[int], stop: asyncio.Event) -> None:
+    """Keep ``peak[0]`` at the largest RSS seen until ``stop``."""
+    while not stop.is_set():
+        peak[0] = max(peak[0], rss_bytes(pid))
+        await asyncio.sleep(0.1)
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile of ``values`` in milliseconds (0 when empty)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    """Start the server, run the load, print the report."""
+    capacity = args.capacity_mib * 1024 * 1024
+    mean_size = statistics.mean(SIZES)
+    n_keys = int(2 * capacity / mean_size)
+    with tempfile.TemporaryDirectory(prefix="nopecache-load-") as tmp:
+        server = Server(Path(tmp), capacity, args.tune_malloc)
+        pid = server.start()
+        try:
+            await asyncio.sleep(0.5)
+            idle = rss_bytes(pid)
+            load = Load(n_keys, args.seconds)
+            peak, stop = [idle], asyncio.Event()
+            sampler = asyncio.create_task(sample_rss(pid, peak, stop))
+            elapsed = await run_load(server.address, load)
+            stop.set()
+            await sampler
+            after = rss_bytes(pid)
+        finally:
+            server.stop()
+    everything = [x for values in load.latency.values() for x in values]
+    ops = len(everything)
+    mib = 1024 * 1024
+    print(
+        f"{TASKS} tasks, {CHANNELS} connections, {elapsed:.1f} s, {n_keys} keys of "
+        f"{'/'.join(str(s // 1024) for s in SIZES)} KiB, capacity {args.capacity_mib} MiB, "
+        f"tune_malloc={'on' if args.tune_malloc else 'off'}"
+    )
+    for op, values in load.latency.items():
+        print(
+            f"  {op:7} {len(values):7d} ops  p50 {pct(values, 0.5):7.2f} ms  p99 {pct(values, 0.99):7.2f} ms"
+        )
+    print(f"  get hits {load.hits}, misses {load.misses}")
+    print(
+        f"  server RSS: idle {idle / mib:.0f} MiB, peak {peak[0] / mib:.0f} MiB, end {after / mib:.0f} MiB"
+    )
+    for error in load.errors[:10]:
+        print(f"  error: {error}")
+    print(
+        f"RESULT ops={ops} ops_per_s={ops / elapsed:.0f} p50_ms={pct(everything, 0.5):.2f} "
+        f"p99_ms={pct(everything, 0.99):.2f} errors={len(load.errors)} "
+        f"rss_mib={peak[0] / mib:.0f} idle_rss_mib={idle / mib:.0f} "
+        f"inflight_mib={(peak[0] - idle) / mib:.0f} capacity_mib={args.capacity_mib} "
+        f"rss_over_capacity={peak[0] / capacity:.3f}"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the options and run."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=60.0, help="load duration (default 60)")
+    parser.add_argument(
+        "--capacity-mib",
+        type=int,
+        default=1024,
+        help="CPU tier capacity (default 1024: the server's default tier size)",
+    )
+    parser.add_argument(
+        "--tune-malloc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the server's tune_malloc option (default on, as the server's default)",
+    )
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""Server side of the same-host fast path: client segments mapped per session, Get windows.
+
+A client on this host creates a shared-memory segment (a file directly in /dev/shm), writes
+a magic and a random nonce into its header and calls AttachShm (layout in proto/cache.proto)::
+
+    offset 0       16      32        48           4096                         size
+           | magic | nonce | session |  reserved  | windows: Get payloads ...   |
+
+:meth:`ShmSessions.attach` opens the name, checks that it is a regular file of this
+process's own uid and of the announced size, maps it, and compares the nonce: equal bytes
+prove that both processes see the same memory (same host, same /dev/shm; a server in
+another container finds no such file, or another file). It then writes the session id at
+offset 32 so the client can check that the server's writes reach it. The client unlinks
+the name right after, so a crash of either process leaves nothing in /dev/shm; the
+mapping here keeps the memory until the session ends.
+
+Session table (bounded; all on the server's event loop, so no locks):
+
+* A session ends on DetachShm, after ``idle_s`` without a Get (a client that crashed or
+  went away never detaches: the expiry timer frees its memory), or when the table is
+  full: a new attach evicts the least recently used sessions that have no Get in flight,
+  up to ``max_sessions`` sessions and ``max_total_bytes`` mapped. A session with Gets in
+  flight is unmapped when the last one ends.
+* Sessions belong to the tenant that attached them: another tenant naming the id gets
+  the same answer as for an unknown id.
+
+Get windows (:class:`ShmTarget`). A Get names a window of the segment; every hit that fits
+the rest of it is copied in (one memcpy from the tier's bytes, 64-byte aligned so that
+tensors viewing it are aligned) before its frame is sent. Two Gets whose windows overlap
+are never both writing: a Get whose window overlaps one in flight on the same session
+(the client reused a window while a call it cancelled is still unwinding here) writes
+nothing and sends data frames instead; a cancelled call stops writing. The client reads
+a window only after the frame that announces it, and verifies every block's checksums.
+
+Safety. Only files of this process's uid are mapped: a client that could shrink a mapped
+file (which makes the next copy fault with SIGBUS) runs as the server's own user and
+could signal it anyway. Copies run on the event loop, like the framing copies of the
+gRPC path (a 32 MiB block is a few milliseconds).
+
+Not implemented: the CUDA analogue (a CUDA IPC handle into the server's GPU tier); blocks
+of a GPU tier are copied through host memory like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+
+__all__ = [
+    "ALIGN",
+    "HEADER_BYTES",
+    "MAGIC",
+    "NAME_PREFIX",
+    "SESSION_BYTES",
+    "AttachOutcome",
+    "ShmLimits",
+    "ShmRequestError",
+    "ShmSessions",
+    "ShmTarget",
+]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "nopecache-"
+_NAME_RE = re.compile(r"^nopecache-[A-Za-z0-9_.-]{1,200}$")
+MAGIC = b"nopecache-shm-v1"
+NONCE_BYTES = 16
+SESSION_BYTES = 16
+_NONCE_AT = 16
+_SESSION_AT = 32
+HEADER_BYTES = 4096
+ALIGN = 64
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+class ShmRequestError(Exception):
+    """A fast-path request the server refuses; carries the gRPC status and a metric reason."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+
+
+def _invalid(message: str) -> ShmRequestError:
+    return ShmRequestError(grpc.StatusCode.INVALID_ARGUMENT, "bad_shm", message)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmLimits:
+    """Bounds of the session table (see the module docstring)."""
+
+    idle_s: float = 120.0
+    max_sessions: int = 64
+    max_segment_bytes: int = 4 * 1024**3
+    max_total_bytes: int = 16 * 1024**3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.idle_s, bool) or not isinstance(self.idle_s, int | float):
+            raise ValueError(f"idle_s: must be a number, got {self.idle_s!r}")
+        if not self.idle_s > 0:
+            raise ValueError(f"idle_s: must be > 0, got {self.idle_s}")
+        for name in ("max_sessions", "max_segment_bytes", "max_total_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AttachOutcome:
+    """What AttachShm answers: a session id, or why the segment was refused (a value)."""
+
+    session: bytes = b""
+    refused: str = ""
+
+
+class _Session:
+    """One mapped client segment and the Get windows in flight on it."""
+
+    __slots__ = ("active", "closing", "id", "last_used", "mm", "name", "size", "tenant", "view")
+
+    def __init__(self, sid: bytes, tenant: str, name: str, mm: mmap.mmap, now: float) -> None:
+        self.id = sid
+        self.tenant = tenant
+        self.name = name
+        self.size = len(mm)
+        self.mm = mm
+        self.view = memoryview(mm)
+        self.last_used = now
+        self.active: list[tuple[int, int]] = []  # [start, end) of Gets in flight
+        self.closing = False
+
+    def unmap(self) -> None:
+        """Release the mapping (only once no Get writes into it)."""
+        self.view.release()
+        self.mm.close()
+
+
+class ShmTarget:
+    """The window one Get copies hits into; use as a context manager around the stream."""
+
+    __slots__ = ("_cancelled", "_cursor", "_end", "_owner", "_session", "_start", "placed")
+
+    def __init__(
+        self,
+        owner: ShmSessions,
+        session: _Session | None,
+        start: int,
+        end: int,
+        cancelled: Callable[[], bool],
+    ) -> None:
+        self._owner = owner
+        self._session = session
+        self._start = start
+        self._end = end
+        self._cursor = start
+        self._cancelled = cancelled
+        self.placed = 0  # bytes copied into the window
+
+    def place(self, blob: bytes | memoryview) -> int | None:
+        """Copy ``blob`` into the rest of the window: its segment offset, or None when it
+        does not fit (or the call is cancelled): send it as data frames then."""
+        session = self._session
+        if session is None:
+            return None
+        n = len(blob) if isinstance(blob, bytes) else blob.nbytes
+        start = _align(self._cursor)
+        if start + n > self._end or self._cancelled():
+            return None
+        src = blob if isinstance(blob, bytes) else blob.cast("B")
+        session.view[start : start + n] = src
+        self._cursor = start + n
+        self.placed += n
+        return start
+
+    def close(self) -> None:
+        """The Get is over: it writes nothing more (idempotent)."""
+        session, self._session = self._session, None
+        if session is not None:
+            self._owner._end_get(session, (self._start, self._end))
+
+    def __enter__(self) -> ShmTarget:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class ShmSessions:
+    """The bounded table of attached client segments (see the module docstring).
+
+    Belongs to one event loop (the server's); ``clock`` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        limits: ShmLimits | None = None,
+        *,
+        shm_dir: str = SHM_DIR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """An empty table; segments are looked up in ``shm_dir``."""
+        self.limits = ShmLimits() if limits is None else limits
+        self._dir = shm_dir
+        self._clock = clock
+        # Least recently used first.
+        self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
+        self._pending_bytes = 0  # reserved by attaches still mapping their segment
+        self._pending = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- table ---------------------------------------------------------------------------
+    @property
+    def sessions(self) -> int:
+        """Sessions attached now."""
+        return len(self._sessions)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of client segments mapped now."""
+        return sum(s.size for s in self._sessions.values())
+
+    def _drop(self, session: _Session, why: str) -> None:
+        """Remove a session from the table; unmap now, or when its last Get ends."""
+        self._sessions.pop(session.id, None)
+        session.closing = True
+        if not session.active:
+            session.unmap()
+        log.debug("shm session %s (%s) dropped: %s", session.id.hex(), session.name, why)
+
+    def expire(self) -> int:
+        """Drop the sessions idle for ``idle_s`` or more; how many."""
+        deadline = self._clock() - self.limits.idle_s
+        idle = [s for s in self._sessions.values() if not s.active and s.last_used <= deadline]
+        for session in idle:
+            self._drop(session, "idle")
+        return len(idle)
+
+    def _make_room(self, size: int) -> bool:
+        """Evict idle-most sessions without Gets in flight until ``size`` more bytes and one
+        more session fit; False if they cannot."""
+        limits = self.limits
+        for session in list(self._sessions.values()):
+            if (
+                len(self._sessions) + self._pending < limits.max_sessions
+                and self.mapped_bytes + self._pending_bytes + size <= limits.max_total_bytes
+            ):
+                return True
+            if not session.active:
+                self._drop(session, "evicted (table full)")
+        return (
+            len(self._sessions) + self._pending < limits.max_sessions
+            and self.mapped_bytes + self._pending_bytes + size <= limits.max_total_bytes
+        )
+
+    def _schedule_expiry(self) -> None:
+        if self._timer is not None or not self._sessions:
+            return
+        oldest = min(s.last_used for s in self._sessions.values())
+        delay = max(0.05, oldest + self.limits.idle_s - self._clock())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.expire()
+        self._schedule_expiry()
+
+    # -- RPCs ----------------------------------------------------------------------------
+    async def attach(self, tenant: str, name: str, size: int, nonce: bytes) -> AttachOutcome:
+        """Map the client's segment ``name``; a session id, or why not (a value).
+
+        Raises ShmRequestError (INVALID_ARGUMENT) for malformed arguments.
+        """
+        if not _NAME_RE.match(name):
+            raise _invalid(
+                f"AttachShmRequest.name: {name[:80]!r} is not {NAME_PREFIX!r} followed by "
+                "1-200 of [A-Za-z0-9_.-]"
+            )
+        if len(nonce) != NONCE_BYTES:
+            raise _invalid(f"AttachShmRequest.nonce: {len(nonce)} bytes, expected {NONCE_BYTES}")
+        if size < HEADER_BYTES + ALIGN:
+            raise _invalid(
+                f"AttachShmRequest.size: {size} bytes, at least {HEADER_BYTES + ALIGN} needed"
+            )
+        if size > self.limits.max_segment_bytes:
+            return AttachOutcome(
+                refused=f"size: {size} bytes is over this server's max_segment_bytes "
+                f"{self.limits.max_segment_bytes}"
+            )
+        self.expire()
+        if not self._make_room(size):
+            return AttachOutcome(
+                refused=f"session table full ({len(self._sessions)} sessions, "
+                f"{self.mapped_bytes} bytes mapped, all in use)"
+            )
+        sid = secrets.token_bytes(SESSION_BYTES)
+        self._pending += 1
+        self._pending_bytes += size
+        try:
+            # Opening and mapping (page tables populated) off the loop: it takes
+            # milliseconds for a large segment.
+            mapped = await asyncio.to_thread(
+                _open_segment, os.path.join(self._dir, name), size, nonce, sid
+            )
+        finally:
+            self._pending -= 1
+            self._pending_bytes -= size
+        if isinstance(mapped, str):
+            log.debug("shm attach of %s refused: %s", name, mapped)
+            return AttachOutcome(refused=mapped)
+        self._sessions[sid] = _Session(sid, tenant, name, mapped, self._clock())
+        self._schedule_expiry()
+        log.debug("shm session %s attached %s (%d bytes)", sid.hex(), name, size)
+        return AttachOutcome(session=sid)
+
+    def detach(self, tenant: str, sid: bytes) -> bool:
+        """End a session; False if there is no such session of ``tenant``."""
+        session = self._sessions.get(sid)
+        if session is None or session.tenant != tenant:
+            return False
+        self._drop(session, "detached")
+        return True
+
+    def target(
+        self,
+        tenant: str,
+        sid: bytes,
+        offset: int,
+        size: int,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> ShmTarget:
+        """The window of one Get (an inert one when the request names no session, window).
+
+        Raises ShmRequestError: INVALID_ARGUMENT for a malformed session id or a window
+        outside the segment, FAILED_PRECONDITION for an unknown or expired session.
+        """
+        if not sid and not offset and not size:
+            return ShmTarget(self, None, 0, 0, cancelled)
+        if len(sid) != SESSION_BYTES:
+            raise _invalid(
+                f"GetRequest.shm_session: {len(sid)} bytes, expected {SESSION_BYTES} "
+                "(required with shm_offset/shm_size)"
+            )
+        session = self._sessions.get(sid)
+        if session is None or session.tenant != tenant:
+            self.expire()
+            raise ShmRequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "shm_session_unknown",
+                f"GetRequest.shm_session: no session {sid.hex()} (expired or detached): "
+                "attach again",
+            )
+        end = offset + size
+        if size <= 0 or offset < HEADER_BYTES or end > session.size:
+            raise _invalid(
+                f"GetRequest.shm_offset/shm_size: window [{offset}, {end}) is not inside the "
+                f"segment's windows [{HEADER_BYTES}, {session.size})"
+            )
+        session.last_used = self._clock()
+        self._sessions.move_to_end(sid)
+        if any(offset < b and a < end for a, b in session.active):
+            log.debug("shm window [%d, %d) of %s busy: data frames", offset, end, sid.hex())
+            return ShmTarget(self, None, offset, end, cancelled)
+        session.active.append((offset, end))
+        return ShmTarget(self, session, offset, end, cancelled)
+
+    def _end_get(self, session: _Session, window: tuple[int, int]) -> None:
+        session.active.remove(window)
+        session.last_used = self._clock()
+        if session.closing and not session.active:
+            session.unmap()
+
+    def close(self) -> None:
+        """Drop every session (server shutdown)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for session in list(self._sessions.values()):
+            self._drop(session, "server closing")
+
+
+def _open_segment(path: str, size: int, nonce: bytes, sid: bytes) -> mmap.mmap | str:
+    """Open and map a client segment and prove it is the client's memory: the mapping,
+    or why not (a refusal the client reads)."""
+    name = os.path.basename(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        return f"segment: cannot open {name} on the server's host: {e.strerror}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"segment: {name} is not a regular file"
+        if st.st_uid != os.geteuid():
+            return f"segment: {name} belongs to uid {st.st_uid}, the server runs as {os.geteuid()}"
+        if st.st_size != size:
+            return f"segment: {name} is {st.st_size} bytes, the request says {size}"
+        try:
+            mm = mmap.mmap(
+                fd,
+                size,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
+        except OSError as e:
+            return f"segment: cannot map {name}: {e.strerror}"
+    finally:
+        os.close(fd)
+    header = mm[:HEADER_BYTES]
+    if header[:_NONCE_AT] != MAGIC or not hmac.compare_digest(
+        header[_NONCE_AT : _NONCE_AT + NONCE_BYTES], nonce
+    ):
+        mm.close()
+        return f"segment: {name} does not hold the client's magic and nonce (not the same memory)"
+    mm[_SESSION_AT : _SESSION_AT + SESSION_BYTES] = sid
+    return mm
