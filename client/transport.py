@@ -15,6 +15,17 @@ While down, calls answer that way at once without touching the network; the firs
 call after the back-off is the probe. Retries of a failed attempt are gRPC's own
 (``ClientConfig.retry`` becomes the channel's service config), never a loop here.
 
+Not outages: UNAUTHENTICATED / PERMISSION_DENIED (a wrong token: a configuration error)
+is logged once at ERROR, counted, and the server's keys are misses for
+``max(down_backoff_s, 30 s)`` between probes, never a retry per call; RESOURCE_EXHAUSTED
+(a busy server: max_streams_per_client) makes misses of that call only.
+
+Security. With ``config.use_tls`` the channel uses TLS; the CA, client certificate and key
+are read once, when the connection is built (an unreadable file is an
+InvalidArgumentError naming its field). With ``config.token`` every call, shared-memory
+ones included, carries ``authorization: Bearer <token>`` as per-call metadata (gRPC's
+call credentials are refused on plaintext channels, and loopback may run without TLS).
+
 Data path. Put and Get carry the block bytes in frames of at most the server's
 ``max_frame_data_bytes`` (learned once from ``Stats``). Both messages are encoded and
 decoded here in protobuf wire format rather than through the generated classes, as the
@@ -79,6 +90,12 @@ BytesLike = bytes | bytearray | memoryview
 # Failures of these codes are about one request, not about the server: they are logged and
 # counted but do not mark the server down.
 _REQUEST_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
+# The server is alive but refuses more work from this client now: misses for that call.
+_BUSY_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
+# The server rejects this client's credentials: a configuration error that retrying does
+# not fix, so the server is left alone for at least _REFUSED_BACKOFF_S between probes.
+_REFUSED_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+_REFUSED_BACKOFF_S = 30.0
 # Keepalive pings only while a call is active (idle pings would earn a GOAWAY from servers
 # with default ping policies); they catch a peer that vanished without a reset.
 _KEEPALIVE_OPTIONS: list[tuple[str, int | str]] = [
@@ -384,9 +401,14 @@ class ServerConnection:
         self._source: BlockSource | None = None
         self._down_until = 0.0
         self._down = False
+        self._refused = False  # the server rejected our credentials and has not accepted since
+        self._busy = False  # a call was refused RESOURCE_EXHAUSTED and none succeeded since
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.token}"),) if config.token else ()
         )
+        # Read now, once: a missing file is a configuration error the caller sees at once,
+        # not a server that seems down at the first call.
+        self._credentials = _channel_credentials(config) if config.use_tls else None
 
     # -- channel and state ----------------------------------------------------------------
     @property
@@ -401,13 +423,10 @@ class ServerConnection:
                 ("grpc.min_reconnect_backoff_ms", _RECONNECT_INITIAL_MS),
                 ("grpc.max_reconnect_backoff_ms", reconnect_max_ms),
             ]
-            if self.config.use_tls:
-                creds = grpc.ssl_channel_credentials(
-                    root_certificates=_read(self.config.tls_ca_file),
-                    private_key=_read(self.config.tls_key_file),
-                    certificate_chain=_read(self.config.tls_cert_file),
+            if self._credentials is not None:
+                self._channel = grpc.aio.secure_channel(
+                    self.address, self._credentials, options=options
                 )
-                self._channel = grpc.aio.secure_channel(self.address, creds, options=options)
             else:
                 self._channel = grpc.aio.insecure_channel(self.address, options=options)
         return self._channel
@@ -423,7 +442,7 @@ class ServerConnection:
         return self._info
 
     def is_down(self) -> bool:
-        """Whether the server failed less than ``down_backoff_s`` ago (its keys are misses)."""
+        """Whether the server failed (or refused our token) recently: its keys are misses."""
         return time.monotonic() < self._down_until
 
     @property
@@ -432,7 +451,8 @@ class ServerConnection:
         return self._down_until
 
     def _failed(self, method: str, error: BaseException) -> None:
-        """Log (once per outage), count, and mark the server down unless the request was bad."""
+        """Log (once per outage), count, and mark the server down unless the request was bad
+        or the server only busy; a credentials refusal backs off longer (module docstring)."""
         # A reply that breaks the wire contract counts as INTERNAL (the server misbehaved).
         code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
         code_name = code.name if code is not None else grpc.StatusCode.INTERNAL.name
@@ -447,6 +467,26 @@ class ServerConnection:
                 code_name,
                 detail,
             )
+            return
+        if code in _BUSY_CODES:
+            if not self._busy:
+                self._busy = True
+                log.warning(
+                    "nopecache server %s is busy in %s (%s: %s); this call's keys are misses",
+                    *(self.address, method, code_name, detail),
+                )
+            return
+        if code in _REFUSED_CODES:
+            backoff = max(self.config.down_backoff_s, _REFUSED_BACKOFF_S)
+            self._down_until = time.monotonic() + backoff
+            if not self._refused:
+                self._refused = True
+                log.error(
+                    "nopecache server %s refused this client's credentials in %s (%s: %s): "
+                    "check ClientConfig.token (?token=) against the server's auth tokens; "
+                    "its keys are misses, asked again every %.0fs",
+                    *(self.address, method, code_name, detail, backoff),
+                )
             return
         self._down_until = time.monotonic() + self.config.down_backoff_s
         if not self._down:
@@ -465,6 +505,10 @@ class ServerConnection:
             self._metrics.record_unreachable(self.address, keys)
 
     def _succeeded(self) -> None:
+        self._busy = False
+        if self._refused:
+            self._refused = False
+            log.info("nopecache server %s accepts this client's credentials now", self.address)
         if self._down:
             self._down = False
             log.info("nopecache server %s is answering again", self.address)
@@ -781,8 +825,24 @@ def _count(keys: bytes) -> int:
     return len(keys) // KEY_BYTES
 
 
-def _read(path: str | None) -> bytes | None:
+def _channel_credentials(config: ClientConfig) -> grpc.ChannelCredentials:
+    """TLS credentials from the config's files (the system roots when no CA is given)."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_file("tls_ca_file", config.tls_ca_file),
+        private_key=_read_file("tls_key_file", config.tls_key_file),
+        certificate_chain=_read_file("tls_cert_file", config.tls_cert_file),
+    )
+
+
+def _read_file(field: str, path: str | None) -> bytes | None:
+    """The bytes of the file a config ``field`` names; InvalidArgumentError if unreadable."""
     if path is None:
         return None
-    with open(path, "rb") as fh:
-        return fh.read()
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise InvalidArgumentError(field, f"cannot read {path!r}: {e.strerror or e}") from e
+    if not data:
+        raise InvalidArgumentError(field, f"{path!r} is empty")
+    return data

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import array
 import asyncio
+import os
 import random
+import subprocess
+import sys
+import textwrap
 from collections import OrderedDict
 
 import pytest
@@ -308,6 +312,53 @@ class CpuTierMatchesLruModel(RuleBasedStateMachine):
 
 
 TestCpuTierMatchesLruModel = CpuTierMatchesLruModel.TestCase
+
+
+# Run in a fresh interpreter: the test process has torch loaded already.
+_LAZY_POOL_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    if sys.argv[1] == "blocked":
+        sys.modules["torch"] = None  # any import of torch now raises ImportError
+    from nopecache.cache_server.tiers import tier_from_url
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    tier = tier_from_url("cpu://?capacity=64MiB&page=64KiB")
+    grown = rss() - before
+    assert asyncio.run(tier.put(b"k", b"x" * 100_000)).status.name == "STORED"
+    assert asyncio.run(tier.get(b"k")) == b"x" * 100_000
+    print(tier.pinned, tier.capacity_bytes, grown < 16 * 1024**2, "torch" in sys.modules)
+    """
+)
+_GPU_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+@pytest.mark.parametrize("torch_import", ["blocked", "allowed"])
+def test_pinned_auto_without_a_gpu_neither_imports_torch_nor_touches_the_pool(
+    torch_import: str,
+) -> None:
+    """pinned=auto builds an unpinned pool where torch cannot even be imported, imports torch
+    only when a GPU device file exists, and a 64 MiB pool does not add 64 MiB to RSS."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAZY_POOL_SCRIPT, torch_import],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    pinned, capacity, lazy, torch_loaded = proc.stdout.split()
+    may_have_gpu = any(os.path.exists(f) for f in _GPU_FILES)
+    assert (capacity, lazy) == (str(64 * 1024**2), "True")
+    if torch_import == "blocked":
+        assert (pinned, torch_loaded) == ("False", "True")  # True: the None placeholder
+    elif not may_have_gpu:
+        assert (pinned, torch_loaded) == ("False", "False")
+    else:
+        assert torch_loaded == "True"
 
 
 @pytest.mark.gpu

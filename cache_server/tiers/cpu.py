@@ -37,6 +37,9 @@ loop for about a millisecond, less than receiving that block over gRPC takes.
 
 from __future__ import annotations
 
+import mmap
+import os
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +63,9 @@ from nopecache.cache_server.tiers.base import (
 __all__ = ["DEFAULT_PAGE_BYTES", "CpuTier", "PageTable", "PagedTier", "Placement"]
 
 DEFAULT_PAGE_BYTES = 64 * 1024
+# Device files of a GPU driver torch.cuda can use (NVIDIA, ROCm, WSL): without any of them
+# pinned=auto skips importing torch altogether.
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,20 +367,33 @@ def _parse_pinned(options: dict[str, str], url: str) -> bool | None:
 
 
 def _host_pool(n_bytes: int, pinned: bool | None, url: str) -> tuple[bool, memoryview]:
-    """Allocate the pool: pinned torch memory when CUDA is present, else a bytearray.
+    """Allocate the pool: pinned torch memory when CUDA is present, else an anonymous mmap.
 
-    A bytearray is zero-filled lazily by the kernel (calloc), so RSS grows as pages are
-    first written and never beyond the pool size. Pinned memory is locked up front:
-    that is the price of DMA-speed copies to the GPU.
+    An anonymous mapping is zero-filled lazily by the kernel, so RSS grows as pages are
+    first written and never beyond the pool size (a ``bytearray(n)`` would memset, and so
+    touch, every page at start). Pinned memory is locked up front: that is the price of
+    DMA-speed copies to the GPU.
     """
-    if pinned is False:
-        return False, memoryview(bytearray(n_bytes))
-    import torch  # deferred: only needed to find out whether page-locking is possible
-
-    if not torch.cuda.is_available():
+    if pinned is False or (pinned is None and not _cuda_may_exist()):
+        return False, memoryview(mmap.mmap(-1, n_bytes))
+    try:
+        import torch  # deferred: about 3 s and 200 MB, worth it only when a GPU may exist
+    except ImportError:
+        torch_cuda = False
+    else:
+        torch_cuda = torch.cuda.is_available()
+    if not torch_cuda:
         if pinned:
             raise TierConfigError(f"{url}: pinned=yes needs CUDA, which is not available")
-        return False, memoryview(bytearray(n_bytes))
+        return False, memoryview(mmap.mmap(-1, n_bytes))
     tensor = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
     # The ndarray view keeps the tensor (and so the pinned allocation) alive.
     return True, tensor.numpy().data
+
+
+def _cuda_may_exist() -> bool:
+    """Whether a GPU may be present, decided without importing torch when it is not loaded."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return bool(torch.cuda.is_available())
+    return any(os.path.exists(path) for path in _GPU_DEVICE_FILES)
