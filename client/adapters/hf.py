@@ -1,0 +1,471 @@
+"""Hugging Face transformers adapter: nopecache reuse for Llama-family models on transformers.
+
+:class:`HFEngine` wraps a loaded ``*ForCausalLM`` model (see ``hf_forward`` for the
+supported families and versions) and does what an engine integration does around a
+prefill:
+
+* **capture**: a prefill returns the pre-RoPE ("nope") K and V of every layer, i.e. the
+  ``k_proj``/``v_proj`` outputs that RoPE then rotates (Llama has no K norm), ready to
+  store; :meth:`HFEngine.chunk_kv` computes one chunk on its own for position-independent
+  reuse, optionally behind a neutral *sink prefix* that is then dropped;
+* **reuse**: :meth:`HFEngine.prefill` takes :class:`ReusedKV` (post-RoPE K and V at the
+  prompt's positions, which tokens are an exact prefix and which position-independent
+  chunks) from any :class:`KVSource`, prefills the misses plus what the recompute
+  policy selects, and returns the prompt's full KV;
+* **generate**: :meth:`HFEngine.kv_cache` turns that KV into a transformers
+  ``DynamicCache``; :meth:`HFEngine.generate` decodes greedily with the model's own
+  forward, :meth:`HFEngine.continuation_logits` teacher-forces a continuation.
+
+Sources of reused KV::
+
+    CacheClientSource   lookup + fetch through nopecache.client's CacheClient (servers)
+    InProcessStore      blocks in a dict, keyed and planned like the server's (no server:
+                        tests, benchmarks)
+
+Exact-prefix tokens are placed and never recomputed: with nothing else reused the
+logits equal a full prefill's within fp32 rounding (the misses run through matrix
+products of another shape than in a full prefill, which rounds differently in the
+last bits; nope K re-rotated by the kernel adds at most an ulp per element).
+
+Recommended settings, from bench/quality.py on SmolLM2-135M: the default policy
+``recompute.DEFAULT_POLICY`` (``blend(0.10, keep_first=8)``) and chunks stored behind a
+one-token sink prefix (``HFEngine(model, sink_prefix=...)``, a newline token; the token
+id belongs to the tokenizer, so the engine assumes none). Each position-independent
+hit of a plan is one chunk for the policy (``first_k`` and ``keep_first`` count per hit).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from nopecache.client.adapters.hf_forward import (
+    SUPPORTED_MODEL_TYPES,
+    LlamaStack,
+    PrefillOutput,
+    UnsupportedModelError,
+    check_supported,
+    selective_prefill,
+)
+from nopecache.client.adapters.recompute import (
+    DEFAULT_POLICY,
+    NoRecompute,
+    RecomputePolicy,
+    ReuseLayout,
+)
+from nopecache.client.chunking import ChunkSpan, TokenIds, token_array
+from nopecache.client.errors import InvalidArgumentError
+from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.keys import BlockKey, content_chunks, prefix_chunks
+from nopecache.client.plan import ReusePlan, plan_reuse
+from nopecache.client.sync_client import CacheClient
+from nopecache.kernels import RopeSpec
+from nopecache.kernels.api import rotate
+from nopecache.proto.block import StoredForm
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CacheClientSource",
+    "CapturedKV",
+    "HFEngine",
+    "InProcessStore",
+    "KVSource",
+    "PrefillOutput",
+    "ReusedKV",
+    "UnsupportedModelError",
+    "check_supported",
+]
+
+NEWLINE_SINK: tuple[int, ...] = (198,)
+"""SmolLM2's newline token: a one-token neutral prefix for ``chunk_kv(sink_prefix=...)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedKV:
+    """Pre-RoPE K and V of some tokens, ``[layers, tokens, kv_heads, head_dim]`` each."""
+
+    k_nope: torch.Tensor
+    v: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.k_nope.dim() != 4 or self.k_nope.shape != self.v.shape:
+            raise InvalidArgumentError(
+                "CapturedKV",
+                f"k_nope {tuple(self.k_nope.shape)} and v {tuple(self.v.shape)} "
+                "must both be [layers, tokens, kv_heads, head_dim]",
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held."""
+        return int(self.k_nope.shape[1])
+
+
+@dataclass(frozen=True, slots=True)
+class ReusedKV:
+    """KV a source found for a prompt: post-RoPE K and V at the prompt's positions, and where.
+
+    ``k``/``v`` are ``[layers, prompt_tokens, kv_heads, head_dim]``; only the rows that
+    ``layout`` marks as reused are read.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: ReuseLayout
+
+    def __post_init__(self) -> None:
+        if self.k.dim() != 4 or self.k.shape != self.v.shape:
+            raise InvalidArgumentError(
+                "ReusedKV.k",
+                f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must both be "
+                "[layers, tokens, kv_heads, head_dim]",
+            )
+        if self.k.shape[1] != self.layout.num_tokens:
+            raise InvalidArgumentError(
+                "ReusedKV.layout",
+                f"covers {self.layout.num_tokens} tokens, k has {self.k.shape[1]}",
+            )
+
+    @classmethod
+    def from_placed(
+        cls,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: ReusePlan,
+        placed: Sequence[ChunkSpan] | None = None,
+    ) -> ReusedKV:
+        """From a plan and the target spans whose KV was actually placed (None: all hits).
+
+        The exact prefix stops at the first prefix hit not placed; a position-independent
+        hit counts only if placed; each one is a chunk of the layout (first_k counts per hit).
+        """
+        done = None if placed is None else set(placed)
+        prefix_end = 0
+        for hit in plan.prefix:
+            if done is not None and hit.target not in done:
+                break
+            prefix_end = hit.target.end
+        chunks = tuple(
+            h.target
+            for h in plan.hits
+            if (done is None or h.target in done) and h.target.start >= prefix_end
+        )
+        return cls(k, v, ReuseLayout(plan.num_tokens, prefix_end, chunks))
+
+
+class KVSource(Protocol):
+    """Where an engine gets reused KV for a prompt and puts the KV of prompts it computed."""
+
+    def reuse(self, tokens: TokenIds, segments: Sequence[int] = ()) -> ReusedKV | None:
+        """KV for the cached parts of ``tokens`` (None: nothing cached)."""
+        ...
+
+    def store(
+        self,
+        tokens: TokenIds,
+        kv: CapturedKV,
+        segments: Sequence[int] = (),
+        *,
+        prefix: bool = True,
+        position_independent: bool = True,
+    ) -> None:
+        """Keep the nope KV of ``tokens`` (positions 0..n-1) for later reuse."""
+        ...
+
+
+class HFEngine:
+    """A transformers Llama-family model with nopecache reuse, recompute and generation."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        name: str = "",
+        revision: str = "",
+        sink_prefix: Sequence[int] = (),
+    ) -> None:
+        """Wrap ``model``; raise :class:`UnsupportedModelError` if it cannot be run exactly.
+
+        ``sink_prefix``: tokens :meth:`chunk_kv` computes chunks behind by default (e.g.
+        :data:`NEWLINE_SINK` for SmolLM2; token ids are the tokenizer's, so none is assumed).
+        """
+        self.sink_prefix = tuple(int(t) for t in sink_prefix)
+        self.stack = LlamaStack(model)
+        self.model = model
+        self.rope = RopeSpec.from_hf_config(model.config)
+        self.name = name or str(getattr(model.config, "_name_or_path", "") or "model")
+        self.revision = revision
+
+    def fingerprint(self, form: StoredForm = StoredForm.NOPE) -> ModelFingerprint:
+        """The model's KV identity for keys and blocks."""
+        return ModelFingerprint.from_rope_spec(
+            model=self.name,
+            revision=self.revision,
+            num_layers=self.stack.num_layers,
+            num_kv_heads=self.stack.num_kv_heads,
+            dtype=self.stack.dtype,
+            form=form,
+            rope=self.rope,
+        )
+
+    def _ids(self, tokens: TokenIds, name: str = "tokens") -> torch.Tensor:
+        arr = token_array(tokens, name)
+        if arr.size == 0:
+            raise InvalidArgumentError(name, "needs at least one token")
+        return torch.from_numpy(arr.astype(np.int64)).to(self.stack.device)
+
+    def prefill(
+        self,
+        tokens: TokenIds,
+        reused: ReusedKV | None = None,
+        policy: RecomputePolicy | None = None,
+        *,
+        capture: bool = False,
+    ) -> PrefillOutput:
+        """Prefill ``tokens`` over ``reused`` KV, recomputing what ``policy`` selects.
+
+        Without ``reused`` this is a full prefill (bit-identical to
+        ``model(ids, logits_to_keep=1)``). ``policy`` defaults to ``DEFAULT_POLICY``. If the
+        prompt's last token was reused it is computed anyway (its logits are needed).
+        ``capture`` adds the nope K.
+        """
+        ids = self._ids(tokens)
+        policy = policy if policy is not None else DEFAULT_POLICY
+        if reused is None:
+            return selective_prefill(
+                self.stack, ids, ReuseLayout(len(ids)), policy, capture=capture
+            )
+        if reused.layout.num_tokens != len(ids):
+            raise InvalidArgumentError(
+                "reused", f"covers {reused.layout.num_tokens} tokens, the prompt has {len(ids)}"
+            )
+        layout = reused.layout.without_last_token()
+        return selective_prefill(
+            self.stack, ids, layout, policy, reused.k, reused.v, capture=capture
+        )
+
+    def captured(self, prefill: PrefillOutput) -> CapturedKV:
+        """The nope K and V of a full prefill run with ``capture=True``, to store."""
+        if prefill.nope_k is None:
+            raise InvalidArgumentError("prefill", "was run without capture=True")
+        if prefill.layout.reused_tokens:
+            raise InvalidArgumentError(
+                "prefill", "reused cached KV: store only KV computed in full for this prompt"
+            )
+        return CapturedKV(prefill.nope_k, prefill.v)
+
+    def chunk_kv(self, tokens: TokenIds, *, sink_prefix: Sequence[int] | None = None) -> CapturedKV:
+        """Nope K and V of ``tokens`` computed on their own, for position-independent reuse.
+
+        With a sink prefix (``sink_prefix``, else the engine's) the chunk is computed behind
+        those tokens, whose KV is then dropped: the chunk's first token is not stored as
+        the attention sink that the first token of a sequence becomes.
+        """
+        if sink_prefix is None:
+            sink_prefix = self.sink_prefix
+        ids = self._ids(tokens)
+        skip = len(sink_prefix)
+        if skip:
+            ids = torch.cat((self._ids(sink_prefix, "sink_prefix"), ids))
+        out = selective_prefill(self.stack, ids, ReuseLayout(len(ids)), NoRecompute(), capture=True)
+        assert out.nope_k is not None
+        return CapturedKV(out.nope_k[:, skip:].clone(), out.v[:, skip:].clone())
+
+    def kv_cache(self, prefill: PrefillOutput) -> DynamicCache:
+        """A transformers ``DynamicCache`` holding the prompt's KV (for the model's forward)."""
+        cache = DynamicCache(config=self.model.config)
+        for layer in range(self.stack.num_layers):
+            cache.update(
+                prefill.k[layer].transpose(0, 1)[None].contiguous(),
+                prefill.v[layer].transpose(0, 1)[None].contiguous(),
+                layer,
+            )
+        return cache
+
+    @torch.no_grad()
+    def continuation_logits(self, prefill: PrefillOutput, tokens: TokenIds) -> torch.Tensor:
+        """Logits ``[1 + n, vocab]`` at the prompt end and after each of ``tokens[:-1]``...
+
+        ...teacher-forced: row i predicts ``tokens[i]``, row n what follows them all.
+        """
+        ids = self._ids(tokens, "tokens")
+        start = prefill.layout.num_tokens
+        positions = torch.arange(start, start + len(ids), device=self.stack.device)[None]
+        out = self.model(
+            input_ids=ids[None],
+            position_ids=positions,
+            cache=self.kv_cache(prefill),
+            use_cache=True,
+        )
+        return torch.cat((prefill.logits[None], out.logits[0].float()))
+
+    @torch.no_grad()
+    def generate(
+        self, prefill: PrefillOutput, max_new_tokens: int, stop_tokens: Sequence[int] = ()
+    ) -> list[int]:
+        """Greedy tokens after the prompt (stop tokens included when reached)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise InvalidArgumentError("max_new_tokens", f"must be an int, got {max_new_tokens!r}")
+        stop = set(stop_tokens)
+        cache = self.kv_cache(prefill)
+        position = prefill.layout.num_tokens
+        token = int(prefill.logits.argmax())
+        out: list[int] = []
+        while len(out) < max_new_tokens:
+            out.append(token)
+            if token in stop or len(out) == max_new_tokens:
+                break
+            logits = self.model(
+                input_ids=torch.tensor([[token]], device=self.stack.device),
+                position_ids=torch.tensor([[position]], device=self.stack.device),
+                cache=cache,
+                use_cache=True,
+            ).logits
+            token = int(logits[0, -1].argmax())
+            position += 1
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    tokens: np.ndarray
+    k_nope: torch.Tensor  # [layers, tokens, kv_heads, head_dim]
+    v: torch.Tensor
+
+
+def _spans(num_tokens: int, segments: Sequence[int]) -> list[ChunkSpan]:
+    """The chunks of a prompt: one per segment (``segments`` = where segments start)."""
+    cuts = sorted({0, *(int(s) for s in segments if 0 < int(s) < num_tokens), num_tokens})
+    return [ChunkSpan(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+class InProcessStore:
+    """Blocks in a dict, keyed and planned like the nopecache server's: no server needed.
+
+    One block per segment, under its prefix-chain key and its content key; lookup builds
+    the same :class:`ReusePlan` as the client (``plan_reuse``) and fetch rotates nope K to
+    the target positions with the nopecache kernel. Single-threaded (no lock).
+    """
+
+    def __init__(self, engine: HFEngine, namespace: str = "") -> None:
+        """An empty store for ``engine``'s model."""
+        self.rope = engine.rope
+        self.fingerprint = engine.fingerprint(StoredForm.NOPE)
+        self.namespace = namespace
+        self.blocks: dict[BlockKey, _Block] = {}
+
+    def store(
+        self,
+        tokens: TokenIds,
+        kv: CapturedKV,
+        segments: Sequence[int] = (),
+        *,
+        prefix: bool = True,
+        position_independent: bool = True,
+    ) -> None:
+        """Keep each segment of ``tokens`` as one block (prefix chain and/or content key)."""
+        arr = token_array(tokens)
+        if kv.num_tokens != len(arr):
+            raise InvalidArgumentError("kv", f"holds {kv.num_tokens} tokens, tokens has {len(arr)}")
+        spans = _spans(len(arr), segments)
+        keyed = []
+        if prefix:
+            keyed += prefix_chunks(self.fingerprint, self.namespace, arr, spans)
+        if position_independent:
+            keyed += content_chunks(self.fingerprint, self.namespace, arr, spans)
+        for chunk in keyed:
+            s = chunk.span
+            self.blocks[chunk.key] = _Block(
+                arr[s.start : s.end].copy(), kv.k_nope[:, s.start : s.end], kv.v[:, s.start : s.end]
+            )
+
+    def lookup(
+        self, tokens: TokenIds, segments: Sequence[int] = (), *, position_independent: bool = True
+    ) -> ReusePlan:
+        """The reuse plan of ``tokens`` cut at ``segments``."""
+        arr = token_array(tokens)
+        spans = _spans(len(arr), segments)
+        chain = prefix_chunks(self.fingerprint, self.namespace, arr, spans)
+        pi = content_chunks(self.fingerprint, self.namespace, arr, spans)
+        if not position_independent:
+            pi = []
+        found = {c.key: StoredForm.NOPE for c in (*chain, *pi) if c.key in self.blocks}
+        return plan_reuse(len(arr), chain, pi, found)
+
+    def fetch(self, plan: ReusePlan, tokens: TokenIds) -> ReusedKV:
+        """K rotated to each hit's target positions and V, in prompt-shaped tensors."""
+        arr = token_array(tokens)
+        any_block = next(iter(self.blocks.values()), None)
+        if any_block is None or not plan.blocks:
+            raise InvalidArgumentError("plan", "has no hits to fetch")
+        layers, _, heads, dim = any_block.k_nope.shape
+        k = torch.zeros((layers, len(arr), heads, dim), dtype=any_block.k_nope.dtype)
+        v = torch.zeros_like(k)
+        for hit in plan.blocks:
+            block = self.blocks[hit.key]
+            src, dst = hit.source, hit.target
+            if not np.array_equal(block.tokens[src.start : src.end], arr[dst.start : dst.end]):
+                raise InvalidArgumentError("tokens", f"differ from the block placed at {dst}")
+            # One rotation for all layers: the layers of a token share its position.
+            nope = block.k_nope[:, src.start : src.end].transpose(0, 1)
+            rotated = rotate(
+                nope.reshape(len(dst), layers * heads, dim), None, dst.start, self.rope
+            )
+            k[:, dst.start : dst.end] = rotated.view(len(dst), layers, heads, dim).transpose(0, 1)
+            v[:, dst.start : dst.end] = block.v[:, src.start : src.end]
+        return ReusedKV.from_placed(k, v, plan)
+
+    def reuse(self, tokens: TokenIds, segments: Sequence[int] = ()) -> ReusedKV | None:
+        """Lookup and fetch: KV for the cached parts of ``tokens`` (None: nothing cached)."""
+        plan = self.lookup(tokens, segments)
+        return self.fetch(plan, tokens) if plan.blocks else None
+
+
+class CacheClientSource:
+    """A :class:`KVSource` over nopecache's ``CacheClient`` (lookup, fetch, store)."""
+
+    def __init__(self, client: CacheClient, *, wait: bool = False) -> None:
+        """Use ``client``, a ``CacheClient`` made for this engine's model.
+
+        ``wait=False`` queues stores in the client's background queue (the engine is not
+        held up); ``wait=True`` returns once the blocks are on their servers.
+        """
+        self.client = client
+        self.wait = wait
+
+    def reuse(self, tokens: TokenIds, segments: Sequence[int] = ()) -> ReusedKV | None:
+        """Lookup and fetch through the client; failed blocks become misses."""
+        plan = self.client.lookup(tokens, segments=list(segments) or None)
+        if not plan.blocks:
+            return None
+        result = self.client.fetch(plan, tokens)
+        if result.k is None or result.v is None or not result.placed:
+            return None
+        return ReusedKV.from_placed(result.k, result.v, plan, [h.target for h in result.placed])
+
+    def store(
+        self,
+        tokens: TokenIds,
+        kv: CapturedKV,
+        segments: Sequence[int] = (),
+        *,
+        prefix: bool = True,
+        position_independent: bool = True,
+    ) -> None:
+        """Store nope K and V (computed at positions 0..n-1) through the client."""
+        self.client.store(
+            tokens,
+            (kv.k_nope, kv.v),
+            0,
+            form="nope",
+            segments=list(segments) or None,
+            prefix=prefix,
+            position_independent=position_independent,
+            wait=self.wait,
+        )
