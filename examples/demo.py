@@ -1,22 +1,245 @@
-"""Kernel demonstration (placeholder until the two-engine demo lands).
+"""nopecache end to end: two engine processes share a system prompt's KV through a server.
 
-Rotates nope K to a shifted position and shows it equals RoPE applied directly.
+``make demo`` (or ``python examples/demo.py [--quick]``) runs, on the CPU::
+
+    demo (this process)
+      |-- nopecache server       python -m nopecache.cache_server, CPU tier, 127.0.0.1:<free>
+      |-- engine 1 process       SmolLM2-135M-Instruct: system prompt at position 0,
+      |                          prefill, store KV (prefix + position-independent), answer
+      '-- engine 2 process       started after engine 1 exited: an uploaded report comes
+                                 first, so the system prompt lands at ~600 where prefix
+                                 caching misses; lookup, fetch re-rotated, recompute with
+                                 the default policy, answer; compare with no cache
+
+The engines share nothing but the server. The server and the engines are stopped at the
+end, on an error and on Ctrl-C. The exit status is 0 when both engines answered and engine
+2 reused cached tokens, 1 otherwise (130 on Ctrl-C). The last line is machine-readable:
+``DEMO key=value ...``.
 """
 
 from __future__ import annotations
 
-import torch
+import argparse
+import multiprocessing
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
-from nopecache.kernels import RopeSpec
+from _demo_engine import EngineJob, EngineReport, engine_main
+
+SERVER_TIER = "cpu://?capacity=512MiB&pinned=no"
+_START_TIMEOUT_S = 60.0
+_ENGINE_TIMEOUT_S = 900.0
+_LISTENING = re.compile(r"listening on \S+:(\d+) ")
 
 
-def main() -> None:
-    """Print a short demonstration of position-independent K rotation."""
-    spec = RopeSpec.default(head_dim=64)
-    print(f"RopeSpec: head_dim={spec.head_dim} rotary_dim={spec.rotary_dim}")
-    print(f"digest={spec.digest().hex()}")
-    print(f"torch {torch.__version__}")
+class DemoError(RuntimeError):
+    """A step of the demo failed; the message says which and why."""
+
+
+@contextmanager
+def embedded_server(workdir: Path) -> Iterator[tuple[str, int]]:
+    """Run a CPU-tier nopecache server on a free loopback port; yield (address, pid).
+
+    The server picks the port (``--port 0``) and logs it; the log goes to a file so a
+    failure can show its end. It is stopped (SIGTERM, then SIGKILL) whatever happens.
+    """
+    log_path = workdir / "server.log"
+    cmd = [sys.executable, "-m", "nopecache.cache_server", "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--tier", SERVER_TIER, "--no-write-through", "--no-metrics"]
+    cmd += ["--shutdown-grace-s", "1", "--log-level", "INFO"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        port = _wait_listening(proc, log_path)
+        yield f"127.0.0.1:{port}", proc.pid
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        print(f"server stopped (pid {proc.pid}, exit status {proc.returncode})", flush=True)
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], log_path: Path) -> int:
+    """The port the server logged once it serves; DemoError if it exits or stays silent."""
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        found = _LISTENING.search(text)
+        if found:
+            return int(found.group(1))
+        if proc.poll() is not None:
+            raise DemoError(f"the server exited with {proc.returncode}:\n{text[-2000:]}")
+        time.sleep(0.1)
+    tail = log_path.read_text(errors="replace")[-2000:]
+    raise DemoError(
+        f"the server did not log 'listening on' within {_START_TIMEOUT_S:.0f} s:\n{tail}"
+    )
+
+
+def run_engine(job: EngineJob) -> EngineReport:
+    """Run one engine in a fresh (spawned) process and return its report."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=engine_main, args=(job, send), name=f"engine-{job.role}")
+    proc.start()
+    send.close()  # only the child writes; EOF then means the child is gone
+    try:
+        report = _receive(receive, proc.sentinel)
+        proc.join(timeout=30)
+    finally:
+        if proc.is_alive():
+            proc.terminate()  # the engine unwinds on SIGTERM (see engine_main)
+            proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        receive.close()
+    if report is None or proc.exitcode != 0:
+        raise DemoError(
+            f"engine {job.role} (pid {proc.pid}) failed with exit code {proc.exitcode}; "
+            "its error is printed above"
+        )
+    return report
+
+
+def _receive(conn: Connection, sentinel: int) -> EngineReport | None:
+    """The child's report, or None if it exited without sending one."""
+    ready = multiprocessing.connection.wait([conn, sentinel], timeout=_ENGINE_TIMEOUT_S)
+    if not ready:
+        raise DemoError(f"an engine did not finish within {_ENGINE_TIMEOUT_S:.0f} s")
+    # A child that exited may have sent its report first; one that crashed left EOF.
+    if not conn.poll(0):
+        return None
+    try:
+        report = conn.recv()
+    except EOFError:
+        return None
+    assert isinstance(report, EngineReport)
+    return report
+
+
+def _layer_runs(per_layer: Sequence[int]) -> str:
+    """``297 at layers 0-1, 41 at layers 2-29``: runs of layers with equal counts."""
+    runs: list[tuple[int, int, int]] = []  # (first layer, last layer, tokens)
+    for layer, n in enumerate(per_layer):
+        if runs and runs[-1][2] == n:
+            runs[-1] = (runs[-1][0], layer, n)
+        else:
+            runs.append((layer, layer, n))
+    parts = [
+        f"{n} at layer{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}" for a, b, n in runs
+    ]
+    return ", ".join(parts) if parts else "none"
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(repr(text), width=96, initial_indent="    ", subsequent_indent="    ")
+
+
+def print_summary(first: EngineReport, second: EngineReport) -> bool:
+    """Print what the cache did for engine 2; True when engine 2's answer is unchanged."""
+    parts = ", ".join(f"{name} {n}" for name, n in second.segment_tokens)
+    saved = 1 - second.prefill_cached_s / second.prefill_nocache_s
+    saved_with_fetch = 1 - (second.prefill_cached_s + second.fetch_s) / second.prefill_nocache_s
+    same = second.answer == second.nocache_answer
+    print()
+    print("=" * 100)
+    print(
+        f"engine 1 (pid {first.pid}): {first.prompt_tokens} prompt tokens, stored "
+        f"{first.stored_blocks} blocks"
+    )
+    print("  answer:")
+    print(_wrap(first.answer))
+    print(f"engine 2 (pid {second.pid}): {second.prompt_tokens} prompt tokens ({parts})")
+    print(f"  reused, exact prefix:          {second.reused_exact:5d} tokens  (lossless)")
+    print(
+        f"  reused, position-independent:  {second.reused_pi:5d} tokens  "
+        f"({second.reused_chunks} chunks moved to new positions)"
+    )
+    print(
+        f"  recomputed of those:            {_layer_runs(second.recomputed_per_layer)} "
+        f"({second.recompute_fraction:.0%} of reused token-layers, policy {second.policy})"
+    )
+    print(
+        f"  computed as misses:            "
+        f"{second.prompt_tokens - second.reused_exact - second.reused_pi:5d} tokens"
+    )
+    print(f"  cache lookup + fetch:          {second.fetch_s * 1e3:7.0f} ms")
+    print(f"  prefill with the cache:        {second.prefill_cached_s * 1e3:7.0f} ms")
+    print(
+        f"  prefill without the cache:     {second.prefill_nocache_s * 1e3:7.0f} ms  "
+        f"(saved {saved:.0%}; {saved_with_fetch:.0%} counting the fetch)"
+    )
+    print("  answer with the cache:")
+    print(_wrap(second.answer))
+    print("  answer without the cache:")
+    print(_wrap(second.nocache_answer))
+    print(f"  same answer with and without the cache: {'yes' if same else 'NO'}")
+    print("=" * 100)
+    return same
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> NoReturn:
+    """SIGTERM ends the demo like Ctrl-C: through the cleanup, not around it."""
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; the exit status."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter report, fewer tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="answer length")
+    args = parser.parse_args(argv)
+    new_tokens = args.max_new_tokens or (12 if args.quick else 30)
+    runs = 1 if args.quick else 3
+    try:
+        with tempfile.TemporaryDirectory(prefix="nopecache-demo-") as tmp:
+            print("starting the nopecache server (CPU tier)", flush=True)
+            with embedded_server(Path(tmp)) as (address, server_pid):
+                print(f"server pid {server_pid} listening on {address}", flush=True)
+                print("engine 1: a chat whose system prompt sits at position 0", flush=True)
+                first = run_engine(EngineJob(1, address, args.quick, new_tokens, runs))
+                print("engine 1 exited; the KV it stored lives only in the server", flush=True)
+                print("engine 2: an uploaded report precedes the same system prompt", flush=True)
+                second = run_engine(EngineJob(2, address, args.quick, new_tokens, runs))
+    except DemoError as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("demo interrupted; server and engines stopped", file=sys.stderr)
+        return 130
+    same = print_summary(first, second)
+    print(
+        f"DEMO reused_exact={second.reused_exact} reused_pi={second.reused_pi} "
+        f"recomputed_first_layer={second.recomputed_per_layer[0]} "
+        f"recomputed_last_layer={second.recomputed_per_layer[-1]} "
+        f"recompute_fraction={second.recompute_fraction:.3f} "
+        f"prefill_cached_ms={second.prefill_cached_s * 1e3:.0f} "
+        f"prefill_nocache_ms={second.prefill_nocache_s * 1e3:.0f} "
+        f"same_answer={'yes' if same else 'no'} "
+        f"server_pid={server_pid} engine_pids={first.pid},{second.pid}"
+    )
+    if second.reused_exact + second.reused_pi == 0:
+        print("demo failed: engine 2 reused no cached tokens", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

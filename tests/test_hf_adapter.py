@@ -220,6 +220,17 @@ def test_sink_prefix_changes_only_what_attention_sees(engine: HFEngine) -> None:
     assert float((sunk.k_nope[5, 0] - plain.k_nope[5, 0]).abs().max()) > 1.0
 
 
+def test_sink_prefixed_kv_is_refused_as_an_exact_prefix(engine: HFEngine) -> None:
+    kv = engine.chunk_kv(SEG_B, sink_prefix=NEWLINE_SINK)
+    assert kv.sink_prefix == NEWLINE_SINK
+    store = InProcessStore(engine)
+    with pytest.raises(InvalidArgumentError, match=r"^prefix: .*sink prefix \[198\]"):
+        store.store(SEG_B, kv)
+    assert store.blocks == {}
+    store.store(SEG_B, kv, prefix=False)
+    assert len(store.blocks) == 1
+
+
 def test_prefill_rejects_mismatched_reuse(engine: HFEngine) -> None:
     prompt = SEG_A + SEG_C
     k = torch.zeros(30, len(prompt) + 1, 3, 64)

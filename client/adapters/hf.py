@@ -88,10 +88,16 @@ NEWLINE_SINK: tuple[int, ...] = (198,)
 
 @dataclass(frozen=True, slots=True)
 class CapturedKV:
-    """Pre-RoPE K and V of some tokens, ``[layers, tokens, kv_heads, head_dim]`` each."""
+    """Pre-RoPE K and V of some tokens, ``[layers, tokens, kv_heads, head_dim]`` each.
+
+    ``sink_prefix`` names the tokens the KV was computed behind (then dropped): such KV
+    is not what a prompt starting with these tokens computes, so it must not be stored
+    under exact-prefix keys.
+    """
 
     k_nope: torch.Tensor
     v: torch.Tensor
+    sink_prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.k_nope.dim() != 4 or self.k_nope.shape != self.v.shape:
@@ -275,7 +281,11 @@ class HFEngine:
             ids = torch.cat((self._ids(sink_prefix, "sink_prefix"), ids))
         out = selective_prefill(self.stack, ids, ReuseLayout(len(ids)), NoRecompute(), capture=True)
         assert out.nope_k is not None
-        return CapturedKV(out.nope_k[:, skip:].clone(), out.v[:, skip:].clone())
+        return CapturedKV(
+            out.nope_k[:, skip:].clone(),
+            out.v[:, skip:].clone(),
+            tuple(int(t) for t in sink_prefix),
+        )
 
     def kv_cache(self, prefill: PrefillOutput) -> DynamicCache:
         """A transformers ``DynamicCache`` holding the prompt's KV (for the model's forward)."""
@@ -339,6 +349,15 @@ class _Block:
     v: torch.Tensor
 
 
+def _check_exact(kv: CapturedKV, prefix: bool) -> None:
+    if prefix and kv.sink_prefix:
+        raise InvalidArgumentError(
+            "prefix",
+            f"KV computed behind the sink prefix {list(kv.sink_prefix)} is not an exact "
+            "prefix; store it with prefix=False",
+        )
+
+
 def _spans(num_tokens: int, segments: Sequence[int]) -> list[ChunkSpan]:
     """The chunks of a prompt: one per segment (``segments`` = where segments start)."""
     cuts = sorted({0, *(int(s) for s in segments if 0 < int(s) < num_tokens), num_tokens})
@@ -373,6 +392,7 @@ class InProcessStore:
         arr = token_array(tokens)
         if kv.num_tokens != len(arr):
             raise InvalidArgumentError("kv", f"holds {kv.num_tokens} tokens, tokens has {len(arr)}")
+        _check_exact(kv, prefix)
         spans = _spans(len(arr), segments)
         keyed = []
         if prefix:
@@ -459,6 +479,7 @@ class CacheClientSource:
         position_independent: bool = True,
     ) -> None:
         """Store nope K and V (computed at positions 0..n-1) through the client."""
+        _check_exact(kv, prefix)
         self.client.store(
             tokens,
             (kv.k_nope, kv.v),
