@@ -46,7 +46,7 @@ demo: venv
 	$(BIN)/python examples/demo.py
 
 bench: venv redis-server
-	@set -e; for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b; done
+	@set -e; for b in bench/[!_]*.py; do echo "== $$b"; $(BIN)/python $$b; done
 
 proto: venv
 	$(BIN)/python proto/generate.py
