@@ -66,6 +66,7 @@ from nopecache.cache_server.tenants import QuotaLedger, Tenant, current_tenant, 
 from nopecache.cache_server.tiers import redact_url
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import KEY_BYTES, BlockError, validate
+from nopecache.proto.wire import WireError, encode_varint, read_varint
 
 __all__ = [
     "API_VERSION",
@@ -152,36 +153,6 @@ def host_id() -> str:
 
 
 # -- wire codec of the block frames ----------------------------------------------------------
-class WireError(ValueError):
-    """A message is not valid protobuf wire format for its type; names the field."""
-
-
-def encode_varint(value: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative int."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(buf: bytes, pos: int, field: str) -> tuple[int, int]:
-    """The varint at ``pos`` and the position after it."""
-    result = shift = 0
-    end = len(buf)
-    while shift < 70:
-        if pos >= end:
-            raise WireError(f"{field}: message ends inside a varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-    raise WireError(f"{field}: varint longer than 10 bytes")
-
-
 def encode_get_frame(
     index: int,
     tier: int,
@@ -228,7 +199,7 @@ def decode_put_frame(raw: bytes) -> tuple[bytes, int, memoryview]:
     key, total_size, data = b"", 0, view[0:0]
     pos, end = 0, len(raw)
     while pos < end:
-        tag, pos = _read_varint(raw, pos, "PutFrame")
+        tag, pos = read_varint(raw, pos, "PutFrame")
         field, wire = tag >> 3, tag & 7
         name = {1: "PutFrame.key", 2: "PutFrame.total_size", 3: "PutFrame.data"}.get(
             field, f"PutFrame field {field}"
@@ -236,13 +207,13 @@ def decode_put_frame(raw: bytes) -> tuple[bytes, int, memoryview]:
         if field == 0:
             raise WireError("PutFrame: field number 0 is invalid")
         if wire == 0:
-            value, pos = _read_varint(raw, pos, name)
+            value, pos = read_varint(raw, pos, name)
             if field == 2:
                 total_size = value
             elif field in (1, 3):
                 raise WireError(f"{name}: expected length-delimited bytes, got a varint")
         elif wire == 2:
-            length, pos = _read_varint(raw, pos, name)
+            length, pos = read_varint(raw, pos, name)
             stop = pos + length
             if stop > end:
                 raise WireError(f"{name}: length {length} runs past the end of the message")

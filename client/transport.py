@@ -68,6 +68,7 @@ from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.metrics import ClientMetrics
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import KEY_BYTES
+from nopecache.proto.wire import WireError, encode_varint, read_varint
 
 __all__ = [
     "BlockSource",
@@ -123,42 +124,25 @@ class TransportError(Exception):
 
 
 # -- wire codec of the block frames ----------------------------------------------------------
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def encode_put_frame(key: bytes, total_size: int, data: BytesLike) -> bytes:
     """A PutFrame in protobuf wire format (byte-identical to ``SerializeToString``); the
     data is copied once. ``key`` and ``total_size`` are set on a block's first frame only."""
     head = bytearray()
     if key:
-        head += b"\x0a" + _varint(len(key)) + key
+        head += b"\x0a" + encode_varint(len(key)) + key
     if total_size:
-        head += b"\x10" + _varint(total_size)
+        head += b"\x10" + encode_varint(total_size)
     n = _nbytes(data)
     if n:
-        head += b"\x1a" + _varint(n)
+        head += b"\x1a" + encode_varint(n)
     return b"".join((head, data))
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    end = len(buf)
-    while shift < 64:
-        if pos >= end:
-            raise TransportError("GetFrame: message ends inside a varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-    raise TransportError("GetFrame: varint longer than 10 bytes")
+def _read(raw: bytes, pos: int) -> tuple[int, int]:
+    try:
+        return read_varint(raw, pos, "GetFrame")
+    except WireError as e:
+        raise TransportError(str(e)) from e
 
 
 def decode_get_frame(raw: bytes) -> tuple[int, int, int, memoryview]:
@@ -172,12 +156,12 @@ def decode_get_frame(raw: bytes) -> tuple[int, int, int, memoryview]:
     data = view[0:0]
     pos, end = 0, len(raw)
     while pos < end:
-        tag, pos = _read_varint(raw, pos)
+        tag, pos = _read(raw, pos)
         field, wire = tag >> 3, tag & 7
         if field == 0:
             raise TransportError("GetFrame: field number 0 is invalid")
         if wire == 0:
-            value, pos = _read_varint(raw, pos)
+            value, pos = _read(raw, pos)
             if field == 1:
                 index = value
             elif field == 2:
@@ -187,7 +171,7 @@ def decode_get_frame(raw: bytes) -> tuple[int, int, int, memoryview]:
             elif field in (4, 5):
                 raise TransportError(f"GetFrame field {field}: expected bytes, got a varint")
         elif wire == 2:
-            length, pos = _read_varint(raw, pos)
+            length, pos = _read(raw, pos)
             stop = pos + length
             if stop > end:
                 raise TransportError(f"GetFrame field {field}: length runs past the message")
