@@ -75,6 +75,7 @@ async def test_evicted_blocks_are_read_before_their_pages_are_rewritten() -> Non
 @pytest.mark.asyncio
 async def test_concurrent_gets_puts_and_deletes_never_mix_bytes() -> None:
     tier = tier_from_url("cuda://0?capacity=32KiB&page=1KiB&staging=3KiB")
+    assert isinstance(tier, CudaTier)
     blobs = {b"k%d" % i: blob_of(i, 700 + 311 * i) for i in range(24)}
 
     async def writer(keys: list[bytes]) -> None:
