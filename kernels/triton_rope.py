@@ -131,7 +131,21 @@ def _copy_dims(  # type: ignore[no-untyped-def]
         tl.store(dst_rows[:, None] + d[None, :], _convert(x, out_dtype), mask=m)
 
 
-@triton.jit(do_not_specialize=["from_start", "to_start", "n_tokens", "n_slots"])
+# Scalars that change per call (lengths, starts) are not specialised on: a new value must
+# not compile a new variant in the serving path. Nor is the alignment of the per-token
+# index arrays (a slot mapping sliced at an odd token is 8-byte aligned): only their
+# elements are read. Strides and the row pointers are, for 128-bit accesses.
+@triton.jit(
+    do_not_specialize=["from_start", "to_start", "n_tokens", "n_slots"],
+    do_not_specialize_on_alignment=[
+        "dst_table_ptr",
+        "v_dst_table_ptr",
+        "from_ptr",
+        "to_ptr",
+        "slot_ptr",
+        "inv_freq_ptr",
+    ],
+)
 def _rope_rows_kernel(  # type: ignore[no-untyped-def]
     src_ptr,  # K rows to rotate: [layers?, tokens, heads, HEAD_DIM], last dim dense
     dst_ptr,  # rotated K: out rows, or the (first layer's) paged cache viewed as rows

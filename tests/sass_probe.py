@@ -154,6 +154,35 @@ def _facts(name: str, compiled: Any) -> dict[str, Any]:
     }
 
 
+def _serving_launches() -> None:
+    """What placement launches for blocks of different sizes at different places."""
+    d = LLAMA.head_dim
+    kc = [_aligned(64, BS, H, d, dtype=torch.bfloat16) for _ in range(L)]
+    vc = [_aligned(64, BS, H, d, dtype=torch.bfloat16) for _ in range(L)]
+    slot_mapping = torch.arange(64 * BS, dtype=torch.int64)
+    for tokens, start in [(1, 0), (7, 1), (16, 16), (300, 4097), (1000, 123_457)]:
+        k = _aligned(L, tokens, H, d, dtype=torch.bfloat16)
+        v = _aligned(L, tokens, H, d, dtype=torch.bfloat16)
+        slots = slot_mapping[start % 3 : start % 3 + tokens]  # odd offsets: 8-byte aligned
+        tr.rerope_scatter_layers_triton(k, v, start, slots, kc, vc, LLAMA, check_values=False)
+
+
+def keys() -> None:
+    """Print the JIT's specialisation of each serving launch, one line each."""
+    backend = make_backend(TARGET)
+    kernel = tr._rope_rows_kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    recorder = _Recorder()
+    tr._rope_rows_kernel = recorder
+    try:
+        _serving_launches()
+    finally:
+        tr._rope_rows_kernel = kernel
+    for args, kwargs in recorder.launches:
+        _, specialization, options = binder(*args, **kwargs)
+        print(json.dumps([repr(specialization), repr(sorted(options.items()))]))
+
+
 def main(names: list[str]) -> None:
     """Compile the named variants (all without names) and print their facts."""
     real = tr._rope_rows_kernel
@@ -169,4 +198,7 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["--keys"]:
+        keys()
+    else:
+        main(sys.argv[1:])

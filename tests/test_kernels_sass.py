@@ -103,3 +103,22 @@ def test_misaligned_caches_fall_back_to_narrow_stores(facts: dict[str, dict[str,
     # A cache whose base is not 16-byte aligned must not get the alignment hint: the
     # variant without it writes 16 bits at a time (wide stores would fault).
     assert set(facts[FALLBACK]["stg"]) == {"E.U16"}
+
+
+@pytest.mark.slow
+def test_serving_launches_share_one_specialisation() -> None:
+    # Blocks of 1..1000 tokens at starts 0..123457, slot mappings sliced at odd tokens:
+    # one kernel variant for all (a new one would compile, for seconds, mid-request).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(PROBE), "--keys"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    keys = done.stdout.splitlines()
+    assert len(keys) == 5
+    assert len(set(keys)) == 1

@@ -346,3 +346,148 @@ def test_gpu_rerope_scatter_layers_matches_reference(geometry: str, with_v: bool
     _assert_caches([c.cpu() for c in k_gpu], k_ref, case["slot_mapping"], spec)
     if v_gpu is not None and v_ref is not None:
         _assert_caches([c.cpu() for c in v_gpu], v_ref, case["slot_mapping"], None)
+
+
+def _cuda(x: Any) -> Any:
+    return x.cuda() if isinstance(x, torch.Tensor) else x
+
+
+def _cuda_list(xs: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    return None if xs is None else [x.cuda() for x in xs]
+
+
+def _cpu_list(xs: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    assert xs is not None
+    return [x.cpu() for x in xs]
+
+
+GPU_SCATTER_CASES = [
+    # (geometry, layout, K dtype, cache dtype, with V, positions "tensor" or an int start)
+    ("full", "neox", torch.bfloat16, torch.bfloat16, True, 120_000),  # placement's int start
+    ("full", "gptj", torch.float32, torch.bfloat16, True, "tensor"),  # fp32 K -> bf16 cache
+    ("full", "neox", torch.float16, torch.bfloat16, True, 7),  # fp16 K -> bf16 cache
+    ("partial", "neox", torch.bfloat16, torch.float16, True, "tensor"),
+    ("odd-pairs", "gptj", torch.float16, torch.float16, True, 3),
+    ("mla", "gptj", torch.bfloat16, torch.bfloat16, False, 2**20),  # DeepSeek MLA in vLLM
+    ("mla", "neox", torch.float32, torch.float32, False, "tensor"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", [0, 3], ids=["single-layer", "all-layers"])
+@pytest.mark.parametrize(
+    ("geometry", "layout", "dtype", "cache_dtype", "with_v", "pos"), GPU_SCATTER_CASES
+)
+def test_gpu_scatter_matches_reference(
+    geometry: str,
+    layout: Layout,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    with_v: bool,
+    pos: Any,
+    layers: int,
+) -> None:
+    spec = _spec(geometry, layout, scaling=1.2)
+    case = _scatter_case(spec, dtype, cache_dtype, with_v, layers=layers)
+    positions = case["positions"] if pos == "tensor" else pos
+    k_ref, v_ref = _clone_caches(case["k_cache"]), _clone_caches(case["v_cache"])
+    assert k_ref is not None
+    k_gpu, v_gpu = _cuda_list(case["k_cache"]), _cuda_list(case["v_cache"])
+    assert k_gpu is not None
+    args = (case["k_nope"], case["v"], positions, case["slot_mapping"])
+    k, v, slots = _cuda(case["k_nope"]), _cuda(case["v"]), case["slot_mapping"].cuda()
+    if layers:
+        rerope_scatter_layers_reference(*args, k_ref, v_ref, spec)
+        api.rerope_scatter_layers(k, v, _cuda(positions), slots, k_gpu, v_gpu, spec)
+    else:
+        rerope_scatter_reference(*args, k_ref[0], None if v_ref is None else v_ref[0], spec)
+        v_cache = None if v_gpu is None else v_gpu[0]
+        api.rerope_scatter(k, v, _cuda(positions), slots, k_gpu[0], v_cache, spec)
+    _assert_caches(_cpu_list(k_gpu), k_ref, case["slot_mapping"], spec)
+    if v_ref is not None:
+        _assert_caches(_cpu_list(v_gpu), v_ref, case["slot_mapping"], None)
+
+
+@pytest.mark.gpu
+def test_gpu_scatter_into_caches_over_2_31_elements() -> None:
+    # int64 offsets: slots past element 2**31 of a bf16 cache (4.3 GB per layer).
+    spec = _spec("full", "neox")
+    heads, dim, block_size = 8, spec.head_dim, 16
+    blocks = 2**31 // (block_size * heads * dim) + 64
+    need = 2 * 2 * blocks * block_size * heads * dim * 2  # K and V, two layers, bf16
+    if torch.cuda.mem_get_info()[0] < need + 2**30:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free device memory")
+    tokens = 48
+    capacity = blocks * block_size
+    slots = torch.cat([torch.arange(capacity - 40, capacity), torch.arange(8)])  # the far end
+    k = _randn(2, tokens, heads, dim, seed=30, dtype=torch.bfloat16)
+    v = _randn(2, tokens, heads, dim, seed=31, dtype=torch.bfloat16)
+    shape = (blocks, block_size, heads, dim)
+    k_caches = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    v_caches = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    assert k_caches[0].numel() > 2**31
+    api.rerope_scatter_layers(k.cuda(), v.cuda(), 5000, slots.cuda(), k_caches, v_caches, spec)
+    # The reference writes the same tokens into a small cache at slots 0..tokens-1.
+    small = [torch.zeros(1, tokens, heads, dim, dtype=torch.bfloat16) for _ in range(4)]
+    rerope_scatter_layers_reference(k, v, 5000, torch.arange(tokens), small[:2], small[2:], spec)
+    for layer in range(2):
+        got_k = k_caches[layer].view(-1, heads, dim)[slots.cuda()].cpu()
+        got_v = v_caches[layer].view(-1, heads, dim)[slots.cuda()].cpu()
+        _assert_close(got_k, small[layer][0], spec)
+        assert torch.equal(got_v, small[2 + layer][0])
+        assert not k_caches[layer].view(-1, heads, dim)[8 : capacity - 40].any()
+
+
+@pytest.mark.gpu
+def test_gpu_launches_on_the_tensors_device_from_any_thread() -> None:
+    # The client's worker thread has device 0 current; caches on another device must get
+    # launches there (with device 0 current they would read device-1 pointers on device 0).
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    import threading
+
+    spec = _spec("full", "neox", scaling=1.2)
+    case = _scatter_case(spec, torch.bfloat16, torch.bfloat16, True, layers=2)
+    dev = torch.device("cuda", 1)
+    k_ref, v_ref = _clone_caches(case["k_cache"]), _clone_caches(case["v_cache"])
+    assert k_ref is not None and v_ref is not None
+    args = (case["k_nope"], case["v"], 77, case["slot_mapping"])
+    rerope_scatter_layers_reference(*args, k_ref, v_ref, spec)
+    k_gpu = [c.to(dev) for c in case["k_cache"]]
+    v_gpu = [c.to(dev) for c in case["v_cache"]]
+    k, v, slots = case["k_nope"].to(dev), case["v"].to(dev), case["slot_mapping"].to(dev)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            torch.cuda.set_device(0)
+            api.rerope_scatter_layers(k, v, 77, slots, k_gpu, v_gpu, spec)
+            torch.cuda.synchronize(dev)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    _assert_caches([c.cpu() for c in k_gpu], k_ref, case["slot_mapping"], spec)
+    _assert_caches([c.cpu() for c in v_gpu], v_ref, case["slot_mapping"], None)
+
+
+@pytest.mark.gpu
+def test_gpu_warm_up_compiles_every_variant_serving_launches() -> None:
+    # Token counts and start positions are not specialised on: after warm_up, calls of
+    # other sizes and starts compile nothing new.
+    from nopecache.kernels.triton_rope import _rope_rows_kernel, warm_up
+
+    spec = RopeSpec.default(head_dim=128, theta=500000.0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    warm_up(spec, torch.bfloat16, 8, 128, device)
+    compiled = len(_rope_rows_kernel.device_caches[device.index][0])
+    for tokens, start in [(1, 0), (17, 1), (256, 16), (4096, 123_457)]:
+        k = torch.randn(2, tokens, 8, 128, device=device).bfloat16()
+        caches = [torch.zeros(tokens, 16, 8, 128, device=device).bfloat16() for _ in range(4)]
+        slots = torch.arange(tokens, device=device) * 16
+        api.rerope_scatter_layers(k, k, start, slots, caches[:2], caches[2:], spec)
+        api.rotate(k[0], torch.arange(tokens, device=device) + start, None, spec, out=k[0])
+    assert len(_rope_rows_kernel.device_caches[device.index][0]) == compiled

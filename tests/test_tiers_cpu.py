@@ -25,7 +25,7 @@ from nopecache.cache_server.tiers import (
     tier_from_url,
 )
 from nopecache.cache_server.tiers.cpu import CpuTier, _parse_pinned
-from nopecache.cache_server.tiers.cuda import CudaTier, CudaUnavailableError
+from nopecache.cache_server.tiers.cuda import CudaUnavailableError
 
 PAGE = 100
 
@@ -373,24 +373,3 @@ def test_pinned_auto_without_a_gpu_neither_imports_torch_nor_touches_the_pool(
         assert (pinned, torch_loaded) == ("False", "False")
     else:
         assert torch_loaded == "True"
-
-
-@pytest.mark.gpu
-@pytest.mark.asyncio
-async def test_cuda_tier_round_trip_and_lru() -> None:
-    tier = tier_from_url("cuda://0?capacity=4KiB&page=1KiB")
-    assert isinstance(tier, CudaTier)
-    blobs = [blob_of(i, 1000 + i) for i in range(5)]
-    for i in range(4):
-        assert (await tier.put(b"k%d" % i, blobs[i])).status is PutStatus.STORED
-    assert await tier.get(b"k0") == blobs[0]
-    result = await tier.put(b"k4", blobs[4])
-    assert result == PutResult(PutStatus.STORED, (Evicted(b"k1", blobs[1]),))
-    await tier.delete(b"k2")
-    await tier.delete(b"k0")
-    scattered = blob_of(9, 2048 + 5)  # 3 pages across the holes (one must be evicted)
-    await tier.put(b"s", scattered)
-    assert await tier.get(b"s") == scattered
-    assert await tier.get(b"k4") == blobs[4]
-    tier.check_invariants()
-    await tier.close()

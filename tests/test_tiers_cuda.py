@@ -1,6 +1,9 @@
 """The CUDA tier's copy path: staging pieces (CPU, exact), and on a GPU its round trips
 through a staging buffer smaller than a block, evictions read before their pages are
-rewritten, and copies interleaved with deletes from other coroutines."""
+rewritten, and copies interleaved with deletes from other coroutines.
+
+The GPU tests use ``asyncio.run`` rather than the pytest-asyncio plugin: ``make gpu-check``
+runs them on an image that has torch, triton and pytest only."""
 
 from __future__ import annotations
 
@@ -38,8 +41,35 @@ def test_staging_option_is_parsed_and_checked() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.asyncio
-async def test_blocks_larger_than_the_staging_buffer_round_trip() -> None:
+def test_cuda_tier_round_trip_and_lru() -> None:
+    asyncio.run(_round_trip_and_lru())
+
+
+async def _round_trip_and_lru() -> None:
+    tier = tier_from_url("cuda://0?capacity=4KiB&page=1KiB")
+    assert isinstance(tier, CudaTier)
+    blobs = [blob_of(i, 1000 + i) for i in range(5)]
+    for i in range(4):
+        assert (await tier.put(b"k%d" % i, blobs[i])).status is PutStatus.STORED
+    assert await tier.get(b"k0") == blobs[0]
+    result = await tier.put(b"k4", blobs[4])
+    assert result == PutResult(PutStatus.STORED, (Evicted(b"k1", blobs[1]),))
+    await tier.delete(b"k2")
+    await tier.delete(b"k0")
+    scattered = blob_of(9, 2048 + 5)  # 3 pages across the holes (one must be evicted)
+    await tier.put(b"s", scattered)
+    assert await tier.get(b"s") == scattered
+    assert await tier.get(b"k4") == blobs[4]
+    tier.check_invariants()
+    await tier.close()
+
+
+@pytest.mark.gpu
+def test_blocks_larger_than_the_staging_buffer_round_trip() -> None:
+    asyncio.run(_blocks_larger_than_the_staging_buffer_round_trip())
+
+
+async def _blocks_larger_than_the_staging_buffer_round_trip() -> None:
     tier = tier_from_url("cuda://0?capacity=64KiB&page=1KiB&staging=2KiB")
     assert isinstance(tier, CudaTier)
     blobs = {b"a": blob_of(1, 5000), b"b": blob_of(2, 1), b"c": blob_of(3, 2048)}
@@ -56,8 +86,11 @@ async def test_blocks_larger_than_the_staging_buffer_round_trip() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.asyncio
-async def test_evicted_blocks_are_read_before_their_pages_are_rewritten() -> None:
+def test_evicted_blocks_are_read_before_their_pages_are_rewritten() -> None:
+    asyncio.run(_evicted_blocks_are_read_before_their_pages_are_rewritten())
+
+
+async def _evicted_blocks_are_read_before_their_pages_are_rewritten() -> None:
     tier = tier_from_url("cuda://0?capacity=4KiB&page=1KiB&staging=1KiB")
     blobs = [blob_of(i, 1000 + i) for i in range(6)]
     for i in range(4):
@@ -72,8 +105,11 @@ async def test_evicted_blocks_are_read_before_their_pages_are_rewritten() -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.asyncio
-async def test_concurrent_gets_puts_and_deletes_never_mix_bytes() -> None:
+def test_concurrent_gets_puts_and_deletes_never_mix_bytes() -> None:
+    asyncio.run(_concurrent_gets_puts_and_deletes_never_mix_bytes())
+
+
+async def _concurrent_gets_puts_and_deletes_never_mix_bytes() -> None:
     tier = tier_from_url("cuda://0?capacity=32KiB&page=1KiB&staging=3KiB")
     assert isinstance(tier, CudaTier)
     blobs = {b"k%d" % i: blob_of(i, 700 + 311 * i) for i in range(24)}
