@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.nopecache-installed
 TYPECHECK := .typecheck/nopecache
 
-.PHONY: all venv demo test lint typecheck bench proto redis-server clean
+.PHONY: all venv demo test lint typecheck bench proto redis-server clean gpu-check
 
 all: test
 
@@ -47,6 +47,13 @@ demo: venv
 
 bench: venv redis-server
 	@set -e; for b in bench/[!_]*.py; do echo "== $$b"; $(BIN)/python $$b; done
+
+# On a machine with a CUDA device, as it is: no venv, no installs (torch, triton and pytest
+# from the image; this checkout's .venv python when there is one). Every gpu test, then
+# bench/kernels.py, then one summary line (tests/gpu_check.py).
+GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || command -v python3)
+gpu-check:
+	$(GPU_PYTHON) tests/gpu_check.py
 
 proto: venv
 	$(BIN)/python proto/generate.py
