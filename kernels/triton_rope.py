@@ -3,22 +3,30 @@ for CUDA tensors; under ``TRITON_INTERPRET=1`` they also run on CPU tensors, whi
 the tests compare them with ``nopecache.kernels.reference``).
 
 One kernel, ``_rope_rows_kernel``, serves all three entry points. A program owns a tile of
-``BLOCK_T`` tokens x ``BLOCK_H`` heads (x one layer) and holds the rotated pairs of a head
-row in registers::
+``BLOCK_T`` tokens x ``BLOCK_H`` heads (x one layer). It computes cos/sin of the tile's
+``[BLOCK_T, rotary_dim / 2]`` angles once, then walks its heads one at a time, holding a
+head's rotated pairs in registers::
 
     src row  | pass-through | x1 ........ | x2 ........ | pass-through |   neox
              | pass-through | x1 x2 x1 x2 ...           | pass-through |   gptj
              0          rotary_offset           rotary_offset + rotary_dim   head_dim
 
-Angles are computed in the kernel from the integer positions (``to - from`` in int64,
-then fp32 times ``inv_freq``), so no cos/sin table is read from memory; cos/sin of a token
-are shared by the ``BLOCK_H`` heads of the tile. Each element of K and V is read once and
-written once. Offsets are int64 (a paged cache easily exceeds 2**31 elements).
+Every access to a row is contiguous and 128 bits wide where the row allows it (gptj rows
+are loaded whole and split into pairs in registers); a head's V row is loaded before its
+K math so that both loads are in flight together. Angles are computed in the kernel from
+the integer positions (``to - from`` in int64, then fp32 times ``inv_freq``), reduced by
+pi/2 in fp64 and evaluated by fp32 polynomials (``_sincos``), so no cos/sin table is read
+from memory. Each element of K and V is read once and written once. Offsets are int64 (a
+paged cache easily exceeds 2**31 elements). ``tests/test_kernels_sass.py`` pins what the
+compiled kernels look like on sm_90.
 
 ``rerope_scatter_layers_triton`` is one launch for all layers: the per-layer caches are
 separate allocations, so the kernel reads each layer's cache base address from a small
 int64 table (``data_ptr`` of every cache) and casts it back to a pointer. This works both
 compiled and under the interpreter (the interpreter reads CPU memory at raw addresses).
+The table carries no alignment, so the host checks ``data_ptr() % 16`` of every cache and
+the kernel asserts it with ``tl.multiple_of`` (``ALIGNED``): without it every cache write
+was a 16-bit store.
 """
 
 from __future__ import annotations
@@ -258,8 +266,8 @@ def _rope_rows_kernel(  # type: ignore[no-untyped-def]
     for h in tl.static_range(BLOCK_H):
         head = pid_h * BLOCK_H + h
         head64 = head.to(tl.int64)
-        ok = row_ok & ((tok * 0 + head) < n_heads)  # a [BLOCK_T] test (the interpreter
-        # turns a scalar one into int32)
+        # A [BLOCK_T] test: the interpreter would turn a scalar one into an int32 mask.
+        ok = row_ok & ((tok * 0 + head) < n_heads)
         src_rows = src_base + tok64 * stride_src_t + head64 * stride_src_h
         dst_rows = dst_base + row * stride_dst_t + head64 * stride_dst_h
 
