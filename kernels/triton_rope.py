@@ -285,7 +285,9 @@ def _rope_rows_kernel(  # type: ignore[no-untyped-def]
             # Pairs are adjacent: one contiguous load of the rotated dims, split in registers.
             d = ROT_OFFSET + tl.arange(0, 2 * HALF_PAD)
             m = ok[:, None] & (d < ROT_OFFSET + 2 * HALF)[None, :]
-            x = tl.load(src_rows[:, None] + d[None, :], mask=m, other=0.0)
+            x = tl.load(
+                src_rows[:, None] + d[None, :], mask=m, other=0.0, eviction_policy="evict_first"
+            )
             x1, x2 = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_T, HALF_PAD, 2)))
             y1 = _round_to(x1 * cos - x2 * sin, out_dtype)
             y2 = _round_to(x2 * cos + x1 * sin, out_dtype)
@@ -294,9 +296,15 @@ def _rope_rows_kernel(  # type: ignore[no-untyped-def]
         else:
             d1 = ROT_OFFSET + pair
             m = ok[:, None] & pair_ok[None, :]
-            x1 = tl.load(src_rows[:, None] + d1[None, :], mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(src_rows[:, None] + (d1 + HALF)[None, :], mask=m, other=0.0)
-            x2 = x2.to(tl.float32)
+            x1 = tl.load(
+                src_rows[:, None] + d1[None, :], mask=m, other=0.0, eviction_policy="evict_first"
+            ).to(tl.float32)
+            x2 = tl.load(
+                src_rows[:, None] + (d1 + HALF)[None, :],
+                mask=m,
+                other=0.0,
+                eviction_policy="evict_first",
+            ).to(tl.float32)
             tl.store(
                 dst_rows[:, None] + d1[None, :], _round_to(x1 * cos - x2 * sin, out_dtype), mask=m
             )
