@@ -50,6 +50,7 @@ from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tenants import ANONYMOUS, Tenant
 from nopecache.cache_server.tiers import TierError, redact_url
 from nopecache.cache_server.tls import load_server_tls
+from nopecache.cache_server.verify import BlockVerifier
 
 __all__ = ["RunningServer", "main", "serve", "start_server", "tier_health_name", "tune_malloc"]
 
@@ -202,7 +203,11 @@ async def start_server(
         if tenant.quota_bytes:
             metrics.tenant_usage(tenant.name, 0, tenant.quota_bytes)
     store = TieredStore.from_urls(
-        config.tiers, write_through=config.write_through, observer=metrics
+        config.tiers,
+        write_through=config.write_through,
+        observer=metrics,
+        verify=BlockVerifier(config.max_block_bytes).check_stored,
+        max_blob_bytes=config.max_block_bytes,
     )
     endpoint: MetricsEndpoint | None = None
     try:

@@ -310,6 +310,10 @@ class ServerMetrics:
             self._entries.labels(s.name).set(s.entries)
             self._healthy.labels(s.name).set(1 if s.healthy else 0)
 
+    def on_corrupt(self, tier: str, count: int) -> None:
+        """``count`` blobs read from ``tier`` failed verification (deleted, never served)."""
+        self._corrupt.labels(tier).inc(count)
+
     def corrupt_total(self, tier: str, total: int) -> None:
         """``tier`` has found ``total`` damaged values since start (a running count)."""
         seen = self._corrupt_seen.get(tier, 0)

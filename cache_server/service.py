@@ -47,6 +47,7 @@ are passed to the server by ``main.start_server``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -64,8 +65,9 @@ from nopecache.cache_server.shm import ShmRequestError, ShmSessions, ShmTarget
 from nopecache.cache_server.store import BlobTooLargeError, PutOutcome, TieredStore
 from nopecache.cache_server.tenants import QuotaLedger, Tenant, current_tenant, namespaced_keys
 from nopecache.cache_server.tiers import redact_url
+from nopecache.cache_server.verify import BlockVerifier
 from nopecache.proto import cache_pb2 as pb
-from nopecache.proto.block import KEY_BYTES, BlockError, validate
+from nopecache.proto.block import KEY_BYTES
 from nopecache.proto.wire import WireError, encode_varint, read_varint
 
 __all__ = [
@@ -92,6 +94,8 @@ SERVICE_NAME = "nopecache.v1.KVCache"
 # are still in cache, not after seven others were read).
 GET_WINDOW_KEYS = 8
 GET_WINDOW_BYTES = 8 * 1024 * 1024
+# A Put of thousands of tiny blocks gives other calls a turn of the event loop this often.
+YIELD_EVERY_BLOCKS = 64
 _KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
 log = logging.getLogger(__name__)
@@ -313,6 +317,7 @@ class KVCacheService:
         self._metrics = metrics
         self._resolve = resolve_context
         self.quotas = quotas if quotas is not None else QuotaLedger()
+        self.verifier = BlockVerifier(config.max_block_bytes)
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
         self._tier_names = [t.name for t in store.tiers]
@@ -417,7 +422,9 @@ class KVCacheService:
                 self._metrics.tenant_rejected(tenant.name, "invalid_block", invalid)
             stored_bytes = 0
             reconciled = False
-            for position, key, blob in staged:
+            for n, (position, key, blob) in enumerate(staged, 1):
+                if n % YIELD_EVERY_BLOCKS == 0:
+                    await asyncio.sleep(0)
                 stored_key = tenant.stored_key(key)
                 admitted = self.quotas.admit(tenant, stored_key, len(blob))
                 if not admitted and not reconciled:
@@ -471,7 +478,9 @@ class KVCacheService:
                         "PutFrame.key: the first frame of a block must carry its key"
                     )
                 if partial.add(data):
-                    self._check_block(partial.key, memoryview(partial.blob()), results, staged)
+                    await self._check_block(
+                        partial.key, memoryview(partial.blob()), results, staged
+                    )
                     partial = None
                 continue
             position = len(results)
@@ -511,9 +520,11 @@ class KVCacheService:
                     f"over max_request_bytes {config.max_request_bytes}",
                 )
             results.append(pb.PutResult(key=key))
+            if position % YIELD_EVERY_BLOCKS == YIELD_EVERY_BLOCKS - 1:
+                await asyncio.sleep(0)  # many tiny blocks must not hold the loop
             if len(data) == size:
                 # The common case, a block in one frame: kept as a view of the message.
-                self._check_block(key, data, results, staged)
+                await self._check_block(key, data, results, staged)
             elif len(data) > size:
                 raise _bad_framing(
                     f"PutFrame.data: block #{position} got {len(data)} bytes, more than its "
@@ -528,25 +539,19 @@ class KVCacheService:
             )
         return results, staged
 
-    def _check_block(
+    async def _check_block(
         self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
     ) -> None:
         """Validate one complete block: stage it, or fill its result with the rejection."""
         position = len(results) - 1
-        try:
-            header = validate(blob)
-        except BlockError as e:
-            reason = f"block #{position}: {e}"
-        else:
-            if header.key == key:
-                staged.append((position, key, blob))
-                return
-            reason = (
-                f"block #{position}: key: PutFrame.key {key.hex()} does not match the block "
-                f"header's key {header.key.hex()}"
-            )
+        problem = await self.verifier.check_async(key, blob)
+        if problem is None:
+            staged.append((position, key, blob))
+            return
         self._metrics.rejected("Put", "invalid_block")
-        results[position] = self._rejection(key, grpc.StatusCode.INVALID_ARGUMENT, reason)
+        results[position] = self._rejection(
+            key, grpc.StatusCode.INVALID_ARGUMENT, f"block #{position}: {problem}"
+        )
 
     def _rejection(self, key: bytes, code: grpc.StatusCode, reason: str) -> pb.PutResult:
         """The result of a rejected block (counted by outcome)."""
