@@ -342,6 +342,10 @@ class ServerMetrics:
         """``tenant`` was served ``n`` block bytes."""
         self._tenant_child("get", tenant, "").inc(n)
 
+    def tenant_used(self, tenant: str, used_bytes: int) -> None:
+        """The bytes charged to ``tenant`` changed (its blocks were dropped)."""
+        self._tenant_used.labels(tenant).set(used_bytes)
+
     def tenant_usage(self, tenant: str, used_bytes: int, quota_bytes: int) -> None:
         """The bytes charged to ``tenant`` and its quota."""
         self._tenant_used.labels(tenant).set(used_bytes)

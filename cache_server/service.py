@@ -51,7 +51,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import NoReturn
 
@@ -64,7 +64,7 @@ from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.shm import ShmRequestError, ShmSessions, ShmTarget
 from nopecache.cache_server.store import BlobTooLargeError, PutOutcome, TieredStore
 from nopecache.cache_server.tenants import QuotaLedger, Tenant, current_tenant, namespaced_keys
-from nopecache.cache_server.tiers import redact_url
+from nopecache.cache_server.tiers import TierStats, redact_url
 from nopecache.cache_server.verify import BlockVerifier
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import KEY_BYTES
@@ -316,7 +316,8 @@ class KVCacheService:
         self._config = config
         self._metrics = metrics
         self._resolve = resolve_context
-        self.quotas = quotas if quotas is not None else QuotaLedger()
+        self.quotas = quotas if quotas is not None else QuotaLedger(unit_bytes=store.page_bytes)
+        store.drop_listeners.append(self._on_dropped)
         self.verifier = BlockVerifier(config.max_block_bytes)
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
@@ -339,6 +340,11 @@ class KVCacheService:
                 key_bytes=KEY_BYTES,
             ),
         )
+
+    def _on_dropped(self, keys: Sequence[bytes]) -> None:
+        """Blocks no tier holds any more stop counting against their tenants' quotas."""
+        for name in self.quotas.forget(keys):
+            self._metrics.tenant_used(name, self.quotas.used_bytes(Tenant(name)))
 
     @property
     def server_info(self) -> pb.ServerInfo:
@@ -453,7 +459,8 @@ class KVCacheService:
             key,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"block #{position}: quota: tenant {tenant.name} holds {used} of its "
-            f"{tenant.quota_bytes}-byte quota; this block needs {size} more",
+            f"{tenant.quota_bytes}-byte quota; this block needs {self.quotas.charge_for(size)} "
+            f"more ({size} bytes in {self.quotas.unit_bytes}-byte pages)",
         )
 
     async def _receive(self, frames: AsyncIterator[bytes]) -> tuple[list[pb.PutResult], Staged]:
@@ -695,8 +702,8 @@ class KVCacheService:
             except _Rejected as r:
                 await self._abort(context, "Delete", r)
             deleted = await self._store.delete(keys)
+            self.quotas.release(tenant, keys)
             if tenant.quota_bytes:
-                self.quotas.release(tenant, keys)
                 used = self.quotas.used_bytes(tenant)
                 self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
             return pb.DeleteReply(deleted=deleted)
@@ -712,6 +719,9 @@ class KVCacheService:
                 await self._abort(context, "Stats", r)
             stats = await self._store.stats()
             self._metrics.set_tier_stats(stats)
+            tenant = self._resolve(context).tenant
+            if tenant.namespace:
+                stats = await self._tenant_stats(tenant, stats)
             return pb.StatsReply(
                 server=self._info,
                 tiers=[
@@ -726,6 +736,19 @@ class KVCacheService:
                     for s in stats
                 ],
             )
+
+    async def _tenant_stats(self, tenant: Tenant, stats: list[TierStats]) -> list[TierStats]:
+        """``stats`` with occupancy counted over ``tenant``'s own blocks only (in charged
+        pages, by the fastest tier holding each): a tenant never sees the others' totals."""
+        charges = self.quotas.charges(tenant)
+        where = await self._store.lookup([key for key, _ in charges])
+        used = dict.fromkeys(self._tier_names, 0)
+        entries = dict.fromkeys(self._tier_names, 0)
+        for (_, size), tier in zip(charges, where, strict=True):
+            if tier is not None:
+                used[tier] += size
+                entries[tier] += 1
+        return [replace(s, used_bytes=used[s.name], entries=entries[s.name]) for s in stats]
 
 
 def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:

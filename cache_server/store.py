@@ -179,6 +179,14 @@ class TieredStore:
         return self._write_through
 
     @property
+    def page_bytes(self) -> int:
+        """The allocation unit of the memory tiers (the largest page; 1 without one)."""
+        pages = [
+            t.page_bytes for t in self._tiers if isinstance(getattr(t, "page_bytes", None), int)
+        ]
+        return max(pages, default=1)
+
+    @property
     def max_blob_bytes(self) -> int:
         """The largest blob any tier accepts; larger ones raise BlobTooLargeError."""
         return max(t.max_blob_bytes for t in self._tiers)
