@@ -122,6 +122,14 @@ class ServerConfig:
         default=DEFAULT_METRICS_PORT,
         metadata=_opt(_INT, "metrics HTTP port; 0 picks a free port"),
     )
+    metrics_tenant_labels: bool = field(
+        default=False,
+        metadata=_opt(
+            _BOOL,
+            "also serve the per-tenant series (nopecache_tenant_*, they name tenants) on the "
+            "metrics port, which has no authentication: only where only operators reach it",
+        ),
+    )
     shutdown_grace_s: float = field(
         default=10.0,
         metadata=_opt(

@@ -4,6 +4,8 @@ a tenant only its own blocks. Real in-process server on loopback with bearer tok
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,3 +115,24 @@ async def test_stats_show_a_tenant_only_its_own_blocks(tmp_path: Path) -> None:
             ("cpu", 2 * PAGE, 2, 16 * PAGE)
         ]
         assert [(t.name, t.used_bytes, t.entries) for t in b.tiers] == [("cpu", 5 * PAGE, 5)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tenant_labels", [False, True])
+async def test_the_metrics_port_names_tenants_only_when_asked(tenant_labels: bool) -> None:
+    config = replace(AUTH, metrics=True, metrics_port=0, metrics_tenant_labels=tenant_labels)
+    async with tenant_serving(config) as h:
+        key = key_of(1)
+        assert [r.outcome for r in await put(h.stub(ALICE), [(key, make_block(key))], 1 << 16)] == [
+            STORED
+        ]
+        endpoint = h.running.metrics_endpoint
+        assert endpoint is not None
+        url = f"http://127.0.0.1:{endpoint.port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        text = body.decode()
+        assert "nopecache_put_bytes_total" in text
+        assert ("alice" in text) is tenant_labels
+        assert ("nopecache_tenant_" in text) is tenant_labels
+        # The registry itself keeps them either way (tests and in-process users).
+        assert h.sample("nopecache_tenant_put_bytes_total", {"tenant": "alice"}) > 0
