@@ -53,8 +53,8 @@ from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
 from prometheus_client.exposition import start_http_server
+from prometheus_client.metrics_core import Metric
 
 __all__ = ["METHODS", "METRIC_NAMES", "MetricsEndpoint", "ServerMetrics", "TierSnapshot"]
 
