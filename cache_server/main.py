@@ -221,6 +221,7 @@ async def start_server(
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
         server = grpc.aio.server(
             interceptors=[gate, *interceptors],
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 *config.grpc_options,
                 # Fail loudly if another process holds the port instead of sharing it.

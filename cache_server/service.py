@@ -49,22 +49,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
-from importlib import metadata
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import NoReturn
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError, Message
 
+from nopecache.cache_server.calls import (
+    ContextResolver,
+    MalformedRequest,
+    RequestContext,
+    default_context,
+    host_id,
+    lenient_parser,
+    server_version,
+)
 from nopecache.cache_server.config import ServerConfig
+from nopecache.cache_server.inflight import InflightBudget, Lease, StreamCut
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.shm import ShmRequestError, ShmSessions, ShmTarget
 from nopecache.cache_server.store import BlobTooLargeError, PutOutcome, TieredStore
-from nopecache.cache_server.tenants import QuotaLedger, Tenant, current_tenant, namespaced_keys
-from nopecache.cache_server.tiers import TierStats, redact_url
+from nopecache.cache_server.tenants import QuotaLedger, Tenant, namespaced_keys, own_stats
+from nopecache.cache_server.tiers import redact_url
 from nopecache.cache_server.verify import BlockVerifier
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import KEY_BYTES
@@ -99,61 +105,6 @@ YIELD_EVERY_BLOCKS = 64
 _KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestContext:
-    """Who is calling: the peer address and the tenant whose namespace the call uses."""
-
-    peer: str
-    tenant: Tenant
-
-
-ContextResolver = Callable[[grpc.aio.ServicerContext], RequestContext]
-
-
-def default_context(context: grpc.aio.ServicerContext) -> RequestContext:
-    """The peer, and the tenant the request gate set for this call (else ANONYMOUS)."""
-    return RequestContext(peer=context.peer(), tenant=current_tenant())
-
-
-@dataclass(frozen=True, slots=True)
-class MalformedRequest:
-    """A request that is not valid protobuf wire format for ``message_type``."""
-
-    message_type: str
-    error: str
-
-
-def _lenient_parser(cls: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
-    """A request deserializer that returns MalformedRequest instead of raising."""
-    name = cls.DESCRIPTOR.full_name
-
-    def parse(raw: bytes) -> Message | MalformedRequest:
-        try:
-            return cls.FromString(raw)
-        except DecodeError as e:
-            return MalformedRequest(name, str(e))
-
-    return parse
-
-
-def server_version() -> str:
-    """The installed nopecache package version."""
-    try:
-        return metadata.version("nopecache")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-def host_id() -> str:
-    """Hostname plus kernel boot id: equal only for processes that can share /dev/shm."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
 
 
 # -- wire codec of the block frames ----------------------------------------------------------
@@ -319,6 +270,11 @@ class KVCacheService:
         self.quotas = quotas if quotas is not None else QuotaLedger(unit_bytes=store.page_bytes)
         store.drop_listeners.append(self._on_dropped)
         self.verifier = BlockVerifier(config.max_block_bytes)
+        self.inflight = InflightBudget(
+            config.max_inflight_bytes,
+            config.max_inflight_bytes_per_client,
+            config.stream_idle_timeout_s,
+        )
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
         self._tier_names = [t.name for t in store.tiers]
@@ -374,7 +330,7 @@ class KVCacheService:
         return keys
 
     async def _abort(
-        self, context: grpc.aio.ServicerContext, method: str, rejected: _Rejected
+        self, context: grpc.aio.ServicerContext, method: str, rejected: _Rejected | StreamCut
     ) -> NoReturn:
         """Count, log and abort the RPC with the rejection's status."""
         self._metrics.rejected(method, rejected.reason)
@@ -413,9 +369,10 @@ class KVCacheService:
         """Receives a stream of framed blocks, validates each, stores them at stream end."""
         with self._metrics.latency["Put"].time():
             tenant = self._resolve(context).tenant
+            lease = self._lease(context, tenant)
             try:
-                results, staged = await self._receive(request_iterator)
-            except _Rejected as r:
+                results, staged = await self._receive(lease.paced(request_iterator), lease)
+            except (_Rejected, StreamCut) as r:
                 await self._abort(context, "Put", r)
             # grpc.aio ends the request iterator alike for a clean close, a cancel, an
             # expired deadline and a message over the size limit (the call is then over
@@ -463,8 +420,11 @@ class KVCacheService:
             f"more ({size} bytes in {self.quotas.unit_bytes}-byte pages)",
         )
 
-    async def _receive(self, frames: AsyncIterator[bytes]) -> tuple[list[pb.PutResult], Staged]:
-        """Reassemble and validate the blocks of a Put stream.
+    async def _receive(
+        self, frames: AsyncIterator[bytes], lease: Lease
+    ) -> tuple[list[pb.PutResult], Staged]:
+        """Reassemble and validate the blocks of a Put stream, each block's bytes reserved
+        in ``lease`` (waiting for room) when its first frame arrives.
 
         Returns one result slot per block (filled for rejected blocks, placeholders for the
         valid ones) and the valid blocks as (position, key, blob), none of them stored yet.
@@ -526,6 +486,9 @@ class KVCacheService:
                     f"PutFrame.total_size: the stream's blocks add up to {request_bytes} bytes, "
                     f"over max_request_bytes {config.max_request_bytes}",
                 )
+            # Whole blocks, not frames: streams holding parts of blocks could fill the
+            # budget with none of them able to finish one.
+            await lease.reserve(size, f"PutFrame: block #{position}")
             results.append(pb.PutResult(key=key))
             if position % YIELD_EVERY_BLOCKS == YIELD_EVERY_BLOCKS - 1:
                 await asyncio.sleep(0)  # many tiny blocks must not hold the loop
@@ -598,9 +561,36 @@ class KVCacheService:
 
     async def Get(
         self, request: pb.GetRequest | MalformedRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes]:
+    ) -> None:
         """Streams each requested block (or a miss entry) in request order, as encoded
-        GetFrames (see encode_get_frame)."""
+        GetFrames (see encode_get_frame); a reader too slow to take a frame is cut."""
+        lease = self._lease(context, self._resolve(context).tenant)
+        frames = self._get_frames(request, context, lease)
+        try:
+            async for frame in frames:
+                await lease.send(context.write(frame), "GetFrame")
+        except StreamCut as cut:
+            # Free the window now: the status itself is sent only once the client takes
+            # what its transport already holds (HTTP/2 sends trailers after data).
+            await frames.aclose()
+            lease.close()
+            await self._abort(context, "Get", cut)
+
+    def _lease(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> Lease:
+        """The in-flight lease of one call: its tenant's share with auth, else its
+        connection's; given back when the call ends, however it ends."""
+        lease = self.inflight.lease(tenant.name if tenant.namespace else context.peer())
+        # The stubs type the callback as a class; any callable taking the context works.
+        context.add_done_callback(lease.on_done)  # type: ignore[arg-type]
+        return lease
+
+    async def _get_frames(
+        self,
+        request: pb.GetRequest | MalformedRequest,
+        context: grpc.aio.ServicerContext,
+        lease: Lease,
+    ) -> AsyncGenerator[bytes, None]:
+        """The frames of a Get, each window of blocks reserved in ``lease`` while sent."""
         with self._metrics.latency["Get"].time():
             tenant = self._resolve(context).tenant
             try:
@@ -614,10 +604,16 @@ class KVCacheService:
             codes = self._codes
             names: Sequence[bytes] = self._encoded_names
             sent = hits = 0
-            start, window = 0, GET_WINDOW_KEYS
+            # A window of the largest blocks must fit the client's in-flight share.
+            most = max(
+                1, min(GET_WINDOW_KEYS, self.inflight.share_bytes // self._config.max_block_bytes)
+            )
+            start, window = 0, most
             with target:  # the shared-memory window (if any) is written only inside
                 while start < len(keys):
+                    lease.release()  # the previous window is sent
                     found = await self._store.get_many(keys[start : start + window])
+                    await lease.reserve(sum(len(f[0]) for f in found if f), "GetFrame")
                     for index, item in enumerate(found, start):
                         if item is None:
                             yield encode_get_frame(index, 0, 0, b"", names)
@@ -639,7 +635,7 @@ class KVCacheService:
                             yield encode_get_frame(index, 0, 0, view[offset : offset + limit], ())
                     start += len(found)
                     if sent:
-                        window = max(1, min(GET_WINDOW_KEYS, GET_WINDOW_BYTES * hits // sent))
+                        window = max(1, min(most, GET_WINDOW_BYTES * hits // sent))
             self._metrics.get_bytes(sent)
             self._metrics.tenant_get_bytes(tenant.name, sent)
 
@@ -721,7 +717,7 @@ class KVCacheService:
             self._metrics.set_tier_stats(stats)
             tenant = self._resolve(context).tenant
             if tenant.namespace:
-                stats = await self._tenant_stats(tenant, stats)
+                stats = await own_stats(self.quotas, tenant, stats, self._store.lookup)
             return pb.StatsReply(
                 server=self._info,
                 tiers=[
@@ -737,19 +733,6 @@ class KVCacheService:
                 ],
             )
 
-    async def _tenant_stats(self, tenant: Tenant, stats: list[TierStats]) -> list[TierStats]:
-        """``stats`` with occupancy counted over ``tenant``'s own blocks only (in charged
-        pages, by the fastest tier holding each): a tenant never sees the others' totals."""
-        charges = self.quotas.charges(tenant)
-        where = await self._store.lookup([key for key, _ in charges])
-        used = dict.fromkeys(self._tier_names, 0)
-        entries = dict.fromkeys(self._tier_names, 0)
-        for (_, size), tier in zip(charges, where, strict=True):
-            if tier is not None:
-                used[tier] += size
-                entries[tier] += 1
-        return [replace(s, used_bytes=used[s.name], entries=entries[s.name]) for s in stats]
-
 
 def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
     """Register ``service`` as nopecache.v1.KVCache on ``server``.
@@ -760,33 +743,33 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
     handlers = {
         "Lookup": grpc.unary_unary_rpc_method_handler(
             service.Lookup,
-            request_deserializer=_lenient_parser(pb.LookupRequest),
+            request_deserializer=lenient_parser(pb.LookupRequest),
             response_serializer=pb.LookupReply.SerializeToString,
         ),
         "Put": grpc.stream_unary_rpc_method_handler(
             service.Put, response_serializer=pb.PutReply.SerializeToString
         ),
         "Get": grpc.unary_stream_rpc_method_handler(
-            service.Get, request_deserializer=_lenient_parser(pb.GetRequest)
+            service.Get, request_deserializer=lenient_parser(pb.GetRequest)
         ),
         "Delete": grpc.unary_unary_rpc_method_handler(
             service.Delete,
-            request_deserializer=_lenient_parser(pb.DeleteRequest),
+            request_deserializer=lenient_parser(pb.DeleteRequest),
             response_serializer=pb.DeleteReply.SerializeToString,
         ),
         "Stats": grpc.unary_unary_rpc_method_handler(
             service.Stats,
-            request_deserializer=_lenient_parser(pb.StatsRequest),
+            request_deserializer=lenient_parser(pb.StatsRequest),
             response_serializer=pb.StatsReply.SerializeToString,
         ),
         "AttachShm": grpc.unary_unary_rpc_method_handler(
             service.AttachShm,
-            request_deserializer=_lenient_parser(pb.AttachShmRequest),
+            request_deserializer=lenient_parser(pb.AttachShmRequest),
             response_serializer=pb.AttachShmReply.SerializeToString,
         ),
         "DetachShm": grpc.unary_unary_rpc_method_handler(
             service.DetachShm,
-            request_deserializer=_lenient_parser(pb.DetachShmRequest),
+            request_deserializer=lenient_parser(pb.DetachShmRequest),
             response_serializer=pb.DetachShmReply.SerializeToString,
         ),
     }

@@ -181,10 +181,9 @@ class TieredStore:
     @property
     def page_bytes(self) -> int:
         """The allocation unit of the memory tiers (the largest page; 1 without one)."""
-        pages = [
-            t.page_bytes for t in self._tiers if isinstance(getattr(t, "page_bytes", None), int)
-        ]
-        return max(pages, default=1)
+        from nopecache.cache_server.tiers.cpu import PagedTier  # the page-pool tiers' base
+
+        return max((t.page_bytes for t in self._tiers if isinstance(t, PagedTier)), default=1)
 
     @property
     def max_blob_bytes(self) -> int:

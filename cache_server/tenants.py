@@ -44,9 +44,13 @@ import hashlib
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from nopecache.cache_server.tiers import TierStats
 
 __all__ = [
     "ANONYMOUS",
@@ -59,6 +63,7 @@ __all__ = [
     "current_tenant",
     "namespace_tag",
     "namespaced_keys",
+    "own_stats",
 ]
 
 KEY_BYTES = 16
@@ -287,3 +292,20 @@ class QuotaLedger:
                 freed += size
         account.used -= freed
         return freed
+
+
+async def own_stats(
+    ledger: QuotaLedger, tenant: Tenant, stats: Sequence[TierStats], lookup: LookupFn
+) -> list[TierStats]:
+    """``stats`` with occupancy counted over ``tenant``'s own blocks only (in charged
+    pages, by the fastest tier holding each): what Stats shows a named tenant, who never
+    sees the other tenants' totals."""
+    charges = ledger.charges(tenant)
+    where = await lookup([key for key, _ in charges])
+    used = {s.name: 0 for s in stats}
+    entries = dict(used)
+    for (_, size), tier in zip(charges, where, strict=True):
+        if isinstance(tier, str) and tier in used:
+            used[tier] += size
+            entries[tier] += 1
+    return [replace(s, used_bytes=used[s.name], entries=entries[s.name]) for s in stats]
