@@ -400,6 +400,8 @@ class KVCacheService:
                     continue
                 results[position] = await self._store_block(key, stored_key, blob, tenant)
                 stored_bytes += len(blob)
+            if self.quotas.sweep_due(tenant):
+                await self.quotas.sweep(tenant, self._store.lookup)
             self._metrics.put_bytes(stored_bytes)
             self._metrics.tenant_put_bytes(tenant.name, stored_bytes)
             if tenant.quota_bytes:

@@ -164,6 +164,7 @@ class _Account:
     used: int = 0
     charges: dict[bytes, tuple[int, int]] = field(default_factory=dict)
     reconciled_at: float = float("-inf")
+    sweep_at: int = 4096
 
 
 class QuotaLedger:
@@ -261,6 +262,24 @@ class QuotaLedger:
             if self._release(account, [k for k in keys if k in account.charges]):
                 changed.append(name)
         return changed
+
+    def sweep_due(self, tenant: Tenant) -> bool:
+        """Whether a tenant without a quota has charged keys enough to recount them.
+
+        Nothing else would ever release what Redis evicted by itself for such a tenant
+        (it never reaches a quota), so its charges are recounted each time their number
+        doubles: amortized, one lookup per key charged.
+        """
+        account = self._accounts.get(tenant.name)
+        return account is not None and len(account.charges) >= account.sweep_at
+
+    async def sweep(self, tenant: Tenant, lookup: LookupFn) -> int:
+        """Recount ``tenant``'s charges now (``reconcile`` without its rate limit)."""
+        account = self._account(tenant)
+        account.reconciled_at = float("-inf")
+        freed = await self.reconcile(tenant, lookup)
+        account.sweep_at = max(4096, 2 * len(account.charges))
+        return freed
 
     def reconcile_due(self, tenant: Tenant) -> bool:
         """Whether ``reconcile`` would run now for ``tenant`` (rate limit passed)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -99,6 +100,24 @@ def test_a_key_seen_before_pays_for_a_bigger_block_in_pages() -> None:
     assert ledger.used_bytes(alice) == 4 * PAGE
     assert ledger.forget([b"k", b"other"]) == ["alice"]
     assert ledger.used_bytes(alice) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_without_quota_is_recounted_as_its_charges_double() -> None:
+    ledger = QuotaLedger()
+    bob = Tenant.named("bob")
+    for i in range(4095):
+        assert ledger.admit(bob, i.to_bytes(24, "little"), 10)
+    assert not ledger.sweep_due(bob)
+    assert ledger.admit(bob, b"last".ljust(24, b"\0"), 10)
+    assert ledger.sweep_due(bob)
+    kept = {i.to_bytes(24, "little") for i in range(100)}
+
+    async def lookup(keys: Sequence[bytes]) -> list[str | None]:
+        return ["redis" if k in kept else None for k in keys]
+
+    assert await ledger.sweep(bob, lookup) == (4096 - 100) * 10
+    assert (ledger.charged_keys(bob), ledger.sweep_due(bob)) == (100, False)
 
 
 @pytest.mark.asyncio
