@@ -230,6 +230,12 @@ class ServerConfig:
             "SECONDS",
         ),
     )
+    max_connections: int = field(
+        default=1024,
+        metadata=_opt(
+            _INT, "most client connections the gRPC port holds open; more are closed at once"
+        ),
+    )
     max_concurrent_rpcs: int = field(
         default=1024,
         metadata=_opt(
@@ -292,6 +298,8 @@ class ServerConfig:
             raise ConfigError(
                 f"stream_idle_timeout_s: must be > 0, got {self.stream_idle_timeout_s}"
             )
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections: must be >= 1, got {self.max_connections}")
         if self.max_concurrent_rpcs < 1:
             raise ConfigError(f"max_concurrent_rpcs: must be >= 1, got {self.max_concurrent_rpcs}")
         if self.max_streams_per_client < 1:

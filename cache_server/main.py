@@ -226,6 +226,9 @@ async def start_server(
                 *config.grpc_options,
                 # Fail loudly if another process holds the port instead of sharing it.
                 ("grpc.so_reuseport", 0),
+                # Connections past the cap are closed as they arrive (each one costs
+                # transport buffers even while idle).
+                ("grpc.max_allowed_incoming_connections", config.max_connections),
             ],
         )
         add_to_server(service, server)

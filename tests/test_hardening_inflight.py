@@ -1,7 +1,8 @@
 """Bounded memory in flight: Put streams that stop sending and Get streams whose reader
 stops reading are cut after ``stream_idle_timeout_s`` with a clear status; what streams
 hold waits for room in ``max_inflight_bytes`` (per client: its share) instead of growing;
-``max_concurrent_rpcs`` caps the calls served at once. Real in-process server on loopback."""
+``max_concurrent_rpcs`` caps the calls served at once and ``max_connections`` the
+connections. Real in-process server on loopback."""
 
 from __future__ import annotations
 
@@ -165,3 +166,17 @@ async def test_max_concurrent_rpcs_refuses_calls_past_the_cap() -> None:
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         release.set()
         assert [(await c).results[0].outcome for c in held] == [STORED, STORED]
+
+
+@pytest.mark.asyncio
+async def test_connections_past_max_connections_are_closed() -> None:
+    async with serving(replace(CONFIG, max_connections=2)) as h:
+        assert (await h.stub.Lookup(pb.LookupRequest(keys=key_of(0)))).tiers == b"\x00"
+        async with serving_channel(h) as second:
+            assert (await second.Lookup(pb.LookupRequest(keys=key_of(0)))).tiers == b"\x00"
+            async with serving_channel(h) as third:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await third.Lookup(pb.LookupRequest(keys=key_of(0)), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The first connection is served as before.
+        assert (await h.stub.Lookup(pb.LookupRequest(keys=key_of(0)))).tiers == b"\x00"
