@@ -568,15 +568,23 @@ class KVCacheService:
         GetFrames (see encode_get_frame); a reader too slow to take a frame is cut."""
         lease = self._lease(context, self._resolve(context).tenant)
         frames = self._get_frames(request, context, lease)
+        # A write blocked by flow control cannot be cancelled, and the status goes out only
+        # after the data the transport holds (HTTP/2 sends trailers last): on a stall the
+        # window is freed at once, and the cut is answered once the write returns.
+        lease.close_on_stall(frames)
         try:
             async for frame in frames:
-                await lease.send(context.write(frame), "GetFrame")
+                lease.begin_wait()
+                await context.write(frame)
+                lease.end_wait()
+                if lease.stalled:
+                    break
         except StreamCut as cut:
-            # Free the window now: the status itself is sent only once the client takes
-            # what its transport already holds (HTTP/2 sends trailers after data).
+            await self._abort(context, "Get", cut)
+        if lease.stalled:
             await frames.aclose()
             lease.close()
-            await self._abort(context, "Get", cut)
+            await self._abort(context, "Get", lease.slow_reader_cut("GetFrame"))
 
     def _lease(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> Lease:
         """The in-flight lease of one call: its tenant's share with auth, else its
