@@ -233,6 +233,7 @@ def test_realised_share_is_within_half_a_token_of_the_budget() -> None:
     gen = torch.Generator().manual_seed(3)
     policies = [
         rc.first_k,
+        rc.taper,
         rc.deviation,
         lambda b: rc.blend(b, 0.25),
         lambda b: rc.blend(b, 0.5, ranking="per_chunk"),
@@ -240,7 +241,7 @@ def test_realised_share_is_within_half_a_token_of_the_budget() -> None:
     ]
     worst = 0.0
     for count in range(1, 9):
-        for _ in range(6):
+        for _ in range(3):
             lengths = torch.randint(30, 1001, (count,), generator=gen).tolist()
             layout = _layout(lengths)
             for budget in (0.05, 0.1, 0.15, 0.2, 0.35, 0.9):
@@ -287,3 +288,18 @@ def test_layer_state_checks_shapes() -> None:
         LayerState(10, LAYERS, LAYOUT, torch.arange(3), k, k, k, k)
     state = LayerState(1, LAYERS, LAYOUT, torch.arange(3), k, k, k, k)
     assert not math.isnan(float(head_deviation(state, "k").sum()))
+
+
+def test_taper_depths_fall_along_the_chunk_and_sum_to_the_budget() -> None:
+    assert rc.taper_depths(20, 4, 10) == [10, 7, 3, 0]
+    assert sum(rc.taper_depths(37, 9, 10)) == 37
+    assert rc.taper_depths(500, 4, 10) == [10] * 4  # capped at the whole chunk
+    policy = rc.taper(0.3)  # 21 token-layers: 11 to the first chunk, 10 to the second
+    # The steepest ramp is a first token at every layer; the rounding left goes next.
+    assert policy.depths(LAYOUT, LAYERS).tolist() == [10, 1, 0, 0, 10, 0, 0]
+    assert policy.planned_fraction(LAYOUT, LAYERS) == 21 / 70
+    assert _picked(policy.initial(LAYOUT, LAYERS)) == [0, 1, 4]
+    # At layer 0 the token of depth 1 runs its last layer: it stops.
+    zeros = torch.zeros(3, 1, 1)
+    state = LayerState(0, LAYERS, LAYOUT, torch.tensor([0, 1, 4]), zeros, zeros, zeros, zeros)
+    assert policy.narrow(state).tolist() == [True, False, True]

@@ -57,6 +57,7 @@ Policies here:
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -495,6 +496,110 @@ class Selective(RecomputePolicy):
                 rows = (chunk == index).nonzero().squeeze(1)
                 keep[rows[top_share(scores[rows], count)]] = True
         return keep
+
+
+@functools.lru_cache(maxsize=256)
+def _taper_profile(budget: float, lengths: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    # Called at every layer of a prefill with the same arguments: computed once.
+    total = round_half_up(budget * sum(lengths) * num_layers)
+    shares = spread_equally(total, [n * num_layers for n in lengths])
+    per_chunk = [taper_depths(t, n, num_layers) for t, n in zip(shares, lengths, strict=True)]
+    return tuple(d for chunk in per_chunk for d in chunk)
+
+
+def taper_depths(total: int, length: int, num_layers: int) -> list[int]:
+    """Depths (layers from 0) of a chunk's tokens summing to ``total`` token-layers, falling
+    linearly from ``num_layers`` at the chunk's first token (the ``d_i`` of :class:`Taper`)."""
+    if total >= length * num_layers:
+        return [num_layers] * length
+
+    offsets = torch.arange(length, dtype=torch.float64)
+
+    def depths(width: float) -> torch.Tensor:
+        ramp = torch.floor(num_layers * (1.0 - offsets / width) + 0.5)
+        return ramp.clamp(0, num_layers).to(torch.int64)
+
+    lo, hi = 1e-9, 1e9
+    for _ in range(100):  # the widest ramp whose sum stays within the total
+        mid = (lo + hi) / 2
+        if int(depths(mid).sum()) <= total:
+            lo = mid
+        else:
+            hi = mid
+    out = depths(lo).tolist()
+    short = total - sum(out)
+    for i in range(length):  # the rounding left over, one layer each, from the start
+        if short <= 0:
+            break
+        if out[i] < num_layers:
+            out[i] += 1
+            short -= 1
+    return out
+
+
+_EVERY_LAYER = frozenset(range(4096))  # deeper than any model
+
+
+@dataclass(frozen=True, slots=True)
+class Taper(RecomputePolicy):
+    """Each chunk's first tokens, deepest first: depth falls linearly along the chunk.
+
+    The budget is split equally over the chunks (in token-layers); in a chunk, token ``i``
+    is recomputed at layers ``0 .. d_i - 1``, ``d_i`` falling from all layers at the first
+    token to none (see :func:`taper_depths`). A position-only selection like
+    :func:`first_k` that trades depth for breadth.
+    """
+
+    budget: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", _check_budget(self.budget))
+
+    @property
+    def name(self) -> str:
+        """``taper(budget)``."""
+        return f"taper({self.budget:g})"
+
+    def depths(self, layout: ReuseLayout, num_layers: int) -> torch.Tensor:
+        """Layers each reused token is computed at ``[num_pi]`` (int64)."""
+        _check_layers(num_layers)
+        profile = _taper_profile(self.budget, tuple(chunk_lengths(layout)), num_layers)
+        return torch.tensor(profile, dtype=torch.int64)
+
+    def schedule(self, layout: ReuseLayout, num_layers: int) -> Schedule:
+        """The tokens computed at every layer as ``start`` (the cost counts all depths)."""
+        depths = self.depths(layout, num_layers)
+        full = depths >= num_layers
+        return _TaperSchedule(layout.num_pi, num_layers, full, depths > 0, None, 0, None, depths)
+
+    def check_layers(self) -> frozenset[int]:
+        """Every layer: tokens leave as their depth is reached."""
+        return _EVERY_LAYER
+
+    def initial(self, layout: ReuseLayout, num_layers: int) -> torch.Tensor:
+        """Tokens with a depth of at least one layer."""
+        return self.depths(layout, num_layers) > 0
+
+    def narrow(self, state: LayerState) -> torch.Tensor:
+        """Running tokens whose depth goes past this layer."""
+        depths = self.depths(state.layout, state.num_layers)[state.running]
+        return depths > state.layer + 1
+
+
+@dataclass(frozen=True, slots=True)
+class _TaperSchedule(Schedule):
+    depths: torch.Tensor | None = None
+
+    @property
+    def token_layers(self) -> int:
+        """The sum of the depths."""
+        assert self.depths is not None
+        return int(self.depths.sum())
+
+
+def taper(budget: float) -> Taper:
+    """Each chunk's first tokens with depth falling along the chunk (see :class:`Taper`)."""
+    return Taper(budget)
 
 
 def none() -> NoRecompute:
