@@ -9,8 +9,9 @@ looked up and fetched back through the client and prefilled by the transformers 
 (``nopecache.client.adapters.hf``) with each recompute policy. The context is an
 exact-prefix hit, the chunks are position-independent hits, the question is a miss.
 
-For each configuration (a policy, and whether chunks cached on their own were computed
-behind the one-token sink prefix):
+For each configuration (a policy, and the sink chunks cached on their own were computed
+behind: none, ``+sink`` one newline token, ``+chat sink`` a short system message plus
+the user header for raw text, see ``_quality_eval.SINKS``):
 
 * ``recompute``: realised share of the reused token-layers recomputed (mean), and
   ``err``: the largest |realised - configured| of any prefill, in points;
@@ -25,7 +26,7 @@ behind the one-token sink prefix):
 Per-kind gaps follow the table. ``exact``: context and chunks stored as an exact prefix
 reproduce the full prefill (KL at fp32 rounding level).
 
-Speed: a ~1k-token document (cached on its own, behind the sink) after a system message,
+Speed: a ~1k-token document (cached on its own, behind the chat sink) after a system message,
 then a question. ``full``: the model's own forward over the prompt. ``prefill``: the
 adapter's prefill over KV already fetched. ``e2e``: lookup, fetch (gRPC to the server,
 rotation, placement) and the prefill, through the client. Each of ``--repeat`` rounds
@@ -43,7 +44,7 @@ Last line::
 all on the report half: ``firstk`` is first_k(0.15), ``deviation`` deviation(0.15)
 (CacheBlend-style, K and V distance at layer 1), ``best_gap_recovered_at_25`` the best
 configuration recomputing at most 25%, ``fact_kept`` / ``report_fact_kept`` and
-``report_gap_at_budget`` the default's (``recompute.DEFAULT_POLICY`` with the sink),
+``report_gap_at_budget`` the default's (``recompute.DEFAULT_POLICY`` with the chat sink),
 ``budget_error_pp`` the largest error of any budgeted prefill, ``speedup`` the
 prefill-only CPU-time ratio and ``e2e_speedup`` the end-to-end wall-time ratio.
 
@@ -66,7 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _quality_eval import Case, Config, Row, build_case, encode, exact_prefix_kl, measure
+from _quality_eval import CHAT_SINK, Case, Config, Row, build_case, encode, exact_prefix_kl, measure
 from _quality_prompts import SYSTEM
 from _quality_server import cache_server
 from _quality_set import FILLER, KINDS, PROMPTS, EvalPrompt, half
@@ -74,7 +75,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from nopecache.client import CacheClient, ClientConfig
 from nopecache.client.adapters import recompute as rc
-from nopecache.client.adapters.hf import NEWLINE_SINK, CacheClientSource, HFEngine
+from nopecache.client.adapters.hf import CacheClientSource, HFEngine
 from nopecache.client.adapters.hf_forward import PrefillOutput
 from nopecache.client.adapters.local_model import load_model, load_tokenizer
 from nopecache.client.cost import CostConfig
@@ -88,7 +89,7 @@ PREFIX_BLOCK = 16  # vLLM's page size: exact-prefix blocks end close to the cont
 BASELINE = Config(rc.none())
 FIRST_K = Config(rc.first_k(BUDGET))
 DEVIATION = Config(rc.deviation(BUDGET))
-DEFAULT = Config(rc.DEFAULT_POLICY, sink="newline")
+DEFAULT = Config(rc.DEFAULT_POLICY, sink="chat")
 
 CONFIGS: tuple[Config, ...] = (
     BASELINE,
@@ -96,7 +97,7 @@ CONFIGS: tuple[Config, ...] = (
     Config(rc.none(), sink="chat"),
     FIRST_K,
     Config(rc.first_k(BUDGET), sink="newline"),
-    Config(rc.first_k(BUDGET), sink="chat"),
+    DEFAULT,
     Config(rc.taper(BUDGET), sink="newline"),
     Config(rc.taper(BUDGET), sink="chat"),
     DEVIATION,
@@ -175,7 +176,8 @@ def speed(engine: HFEngine, tokenizer: PreTrainedTokenizerBase, address: str, re
     config = ClientConfig(servers=(address,), prefix_block_tokens=PREFIX_BLOCK, namespace="speed")
     with make_client(engine, config) as client:
         source = CacheClientSource(client, wait=True)
-        source.store(chunk, engine.chunk_kv(chunk, sink_prefix=NEWLINE_SINK), prefix=False)
+        sink = encode(tokenizer, CHAT_SINK)  # the chunk is a whole chat message
+        source.store(chunk, engine.chunk_kv(chunk, sink_prefix=sink), prefix=False)
         fetched = source.reuse(tokens, segments)
         assert fetched is not None and fetched.layout.num_pi == len(chunk)
         policy = DEFAULT.policy
@@ -289,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         with make_client(engine, config) as client:
             for name in halves:
-                prompts = half(name)  # type: ignore[arg-type]
+                prompts = half(name)
                 prompts = prompts[: args.prompts] if args.prompts else prompts
                 results[name] = evaluate(engine, tokenizer, client, prompts, stop, progress)
             last_cases, _ = results[halves[-1]]

@@ -202,7 +202,7 @@ def test_blend_pins_chunk_starts_and_ranks_the_rest_by_v() -> None:
     plan = policy.schedule(LAYOUT, LAYERS)
     assert (_picked(plan.start), plan.keep, plan.token_layers) == ([0, 4], 2, 46)
     assert _picked(policy.narrow(state)) == [0, 3, 4, 6]
-    assert rc.DEFAULT_POLICY.name == "blend(0.15,0.5)"
+    assert rc.DEFAULT_POLICY.name == "first_k(0.15)"
 
 
 def test_per_chunk_ranking_keeps_each_chunks_share() -> None:

@@ -28,10 +28,13 @@ products of another shape than in a full prefill, which rounds differently in th
 last bits; nope K re-rotated by the kernel adds at most an ulp per element).
 
 Recommended settings, from bench/quality.py on SmolLM2-135M: the default policy
-``recompute.DEFAULT_POLICY`` (``blend(0.15)``: 15% of the reused token-layers) and chunks
-stored behind a one-token sink prefix (``HFEngine(model, sink_prefix=...)``, a newline
-token; the token id belongs to the tokenizer, so the engine assumes none). Touching hits
-within one segment are one chunk for the policy (see :meth:`ReusedKV.from_placed`).
+``recompute.DEFAULT_POLICY`` (``first_k(0.15)``: 15% of the reused token-layers, on each
+chunk's first tokens) and chunks stored behind a sink prefix that looks like what
+precedes such a chunk in a chat (``chunk_kv(ids, sink_prefix=...)``: a short system
+message, plus the ``user`` header when the chunk is raw text; :data:`NEWLINE_SINK` is the
+one-token fallback). Token ids belong to the tokenizer, so the engine assumes none.
+Touching hits within one segment are one chunk for the policy (see
+:meth:`ReusedKV.from_placed`).
 """
 
 from __future__ import annotations
