@@ -34,15 +34,25 @@ from nopecache.client.sync_client import CacheClient
 
 MAX_ANSWER = 24
 CHAT_SINK = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+DIALOG_SINK = CHAT_SINK + (
+    "<|im_start|>user\nHi, can you help me with something?<|im_end|>\n"
+    "<|im_start|>assistant\nOf course. What do you need?<|im_end|>\n"
+)
+SINK_LABELS: dict[str, str] = {
+    "": "",
+    "newline": " +sink",
+    "chat": " +chat sink",
+    "dialog": " +dialog sink",
+}
 REF_CACHE = Path(__file__).resolve().parent / ".cache" / "quality"
 
 
-Sink = Literal["", "newline", "chat"]
-SINKS: tuple[Sink, ...] = ("", "newline", "chat")
+Sink = Literal["", "newline", "chat", "dialog"]
+SINKS: tuple[Sink, ...] = ("", "newline", "chat", "dialog")
 """How a chunk cached on its own was computed: from position 0 (``""``), behind one
-newline token (``newline``), or behind what precedes such a chunk in a chat (``chat``: a
-short system message, plus the user header when the chunk is raw text), chosen per
-chunk by how it begins."""
+newline token (``newline``), or behind what precedes such a chunk in a chat, chosen per
+chunk by how it begins: ``chat`` a short system message, plus the user header when the
+chunk is raw text; ``dialog`` the same with one generic exchange before it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +65,7 @@ class Config:
     @property
     def label(self) -> str:
         """Row label of the tables."""
-        return self.policy.name + {"": "", "newline": " +sink", "chat": " +chat sink"}[self.sink]
+        return self.policy.name + SINK_LABELS[self.sink]
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -200,11 +210,11 @@ def build_case(
             tokens += pt.chunks[i]
             cuts.append(len(tokens))
         earlier = (tokens, _captured(engine, tokens), cuts[:-1])
-    system = encode(tokenizer, CHAT_SINK)
     sinks: dict[Sink, list[int]] = {
         "": [],
         "newline": list(NEWLINE_SINK),
-        "chat": system + pt.opener,
+        "chat": encode(tokenizer, CHAT_SINK) + pt.opener,
+        "dialog": encode(tokenizer, DIALOG_SINK) + pt.opener,
     }
     for sink, sink_tokens in sinks.items():
         source = CacheClientSource(client, wait=True, namespace=f"{p.name}/sink={sink}")
@@ -250,6 +260,8 @@ class Row:
     fractions: list[float] = field(default_factory=list)
     errors_pp: list[float] = field(default_factory=list)
     facts: list[bool] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    """Prompts whose fact the full answer has and this configuration's answer lacks."""
 
     @property
     def mean_kl(self) -> float:
@@ -311,3 +323,5 @@ def measure(
         else:
             text = decode(tokenizer, engine.generate(out, MAX_ANSWER, stop))
             row.facts.append(case.prompt.expected.lower() in text.lower())
+            if not row.facts[-1]:
+                row.lost.append(f"{case.prompt.name}: {text!r}")

@@ -60,6 +60,8 @@ import argparse
 import functools
 import itertools
 import math
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -100,6 +102,8 @@ CONFIGS: tuple[Config, ...] = (
     DEFAULT,
     Config(rc.taper(BUDGET), sink="newline"),
     Config(rc.taper(BUDGET), sink="chat"),
+    Config(rc.none(), sink="dialog"),
+    Config(rc.first_k(BUDGET), sink="dialog"),
     DEVIATION,
     Config(rc.blend(BUDGET, 0.5), sink="newline"),
     Config(rc.blend(BUDGET, 0.5), sink="chat"),
@@ -121,6 +125,9 @@ def print_table(rows: Sequence[Row], baseline: Row) -> None:
             f" {r.config.label:33s} {r.fraction:9.3f} {r.max_error_pp:5.2f} {r.mean_kl:8.4f} "
             f"{r.mean_top1:6.3f} {gap:6.3f} {r.fact_kept:5.2f}"
         )
+    for r in ordered:
+        for lost in r.lost:
+            print(f"  fact lost by {r.config.label}: {lost}")
     kinds = [k for k in KINDS if k in baseline.kinds]
     print("gap by kind (KL of none in the header row):")
     print(f" {'':33s} " + " ".join(f"{k[:8]:>8s}" for k in kinds))
@@ -232,6 +239,7 @@ def evaluate(
     tokenizer: PreTrainedTokenizerBase,
     client: CacheClient,
     prompts: Sequence[EvalPrompt],
+    configs: Sequence[Config],
     stop: Sequence[int],
     progress: Callable[[str], None],
 ) -> tuple[list[Case], list[Row]]:
@@ -245,7 +253,7 @@ def evaluate(
             f"{[len(x) for x in c.parts.chunks]}, answer {c.ref.text!r}"
         )
     rows = []
-    for cfg in CONFIGS:
+    for cfg in configs:
         row = Row(cfg)
         for case in cases:
             measure(engine, tokenizer, case, row, stop)
@@ -262,7 +270,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds for the speed-up")
     parser.add_argument("--prompts", type=int, default=0, help="first N prompts of a half")
     parser.add_argument("--no-speed", action="store_true", help="skip the speed case")
+    parser.add_argument(
+        "--configs", default="", help="only configurations whose label contains this"
+    )
     args = parser.parse_args(argv)
+    # A SIGTERM unwinds like an exception, so the server child is killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     began = time.perf_counter()
@@ -293,7 +306,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name in halves:
                 prompts = half(name)
                 prompts = prompts[: args.prompts] if args.prompts else prompts
-                results[name] = evaluate(engine, tokenizer, client, prompts, stop, progress)
+                named = (BASELINE, FIRST_K, DEVIATION, DEFAULT)  # the RESULT line needs them
+                configs = [c for c in CONFIGS if args.configs in c.label or c in named]
+                results[name] = evaluate(
+                    engine, tokenizer, client, prompts, configs, stop, progress
+                )
             last_cases, _ = results[halves[-1]]
             exact = max(exact_prefix_kl(engine, client, c) for c in last_cases[:6])
         progress(f"exact prefix reuse: max mean KL {exact:.2e}")
