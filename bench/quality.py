@@ -11,7 +11,8 @@ exact-prefix hit, the chunks are position-independent hits, the question is a mi
 
 For each configuration (a policy, and the sink chunks cached on their own were computed
 behind: none, ``+sink`` one newline token, ``+chat sink`` a short system message plus
-the user header for raw text, see ``_quality_eval.SINKS``):
+the user header for raw text, ``+dialog sink`` the same with a generic exchange before
+the header, see ``_quality_eval.SINKS``):
 
 * ``recompute``: realised share of the reused token-layers recomputed (mean), and
   ``err``: the largest |realised - configured| of any prefill, in points;
@@ -26,7 +27,7 @@ the user header for raw text, see ``_quality_eval.SINKS``):
 Per-kind gaps follow the table. ``exact``: context and chunks stored as an exact prefix
 reproduce the full prefill (KL at fp32 rounding level).
 
-Speed: a ~1k-token document (cached on its own, behind the chat sink) after a system message,
+Speed: a ~1k-token document (cached on its own, behind the dialog sink) after a system message,
 then a question. ``full``: the model's own forward over the prompt. ``prefill``: the
 adapter's prefill over KV already fetched. ``e2e``: lookup, fetch (gRPC to the server,
 rotation, placement) and the prefill, through the client. Each of ``--repeat`` rounds
@@ -44,7 +45,7 @@ Last line::
 all on the report half: ``firstk`` is first_k(0.15), ``deviation`` deviation(0.15)
 (CacheBlend-style, K and V distance at layer 1), ``best_gap_recovered_at_25`` the best
 configuration recomputing at most 25%, ``fact_kept`` / ``report_fact_kept`` and
-``report_gap_at_budget`` the default's (``recompute.DEFAULT_POLICY`` with the chat sink),
+``report_gap_at_budget`` the default's (``recompute.DEFAULT_POLICY`` with the dialog sink),
 ``budget_error_pp`` the largest error of any budgeted prefill, ``speedup`` the
 prefill-only CPU-time ratio and ``e2e_speedup`` the end-to-end wall-time ratio.
 
@@ -69,7 +70,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _quality_eval import CHAT_SINK, Case, Config, Row, build_case, encode, exact_prefix_kl, measure
+from _quality_eval import (
+    DIALOG_SINK,
+    Case,
+    Config,
+    Row,
+    build_case,
+    encode,
+    exact_prefix_kl,
+    measure,
+)
 from _quality_prompts import SYSTEM
 from _quality_server import cache_server
 from _quality_set import FILLER, KINDS, PROMPTS, EvalPrompt, half
@@ -91,24 +101,20 @@ PREFIX_BLOCK = 16  # vLLM's page size: exact-prefix blocks end close to the cont
 BASELINE = Config(rc.none())
 FIRST_K = Config(rc.first_k(BUDGET))
 DEVIATION = Config(rc.deviation(BUDGET))
-DEFAULT = Config(rc.DEFAULT_POLICY, sink="chat")
+DEFAULT = Config(rc.DEFAULT_POLICY, sink="dialog")
 
 CONFIGS: tuple[Config, ...] = (
     BASELINE,
     Config(rc.none(), sink="newline"),
     Config(rc.none(), sink="chat"),
+    Config(rc.none(), sink="dialog"),
     FIRST_K,
     Config(rc.first_k(BUDGET), sink="newline"),
+    Config(rc.first_k(BUDGET), sink="chat"),
     DEFAULT,
-    Config(rc.taper(BUDGET), sink="newline"),
-    Config(rc.taper(BUDGET), sink="chat"),
-    Config(rc.none(), sink="dialog"),
-    Config(rc.first_k(BUDGET), sink="dialog"),
+    Config(rc.taper(BUDGET), sink="dialog"),
     DEVIATION,
-    Config(rc.blend(BUDGET, 0.5), sink="newline"),
-    Config(rc.blend(BUDGET, 0.5), sink="chat"),
-    Config(rc.blend(BUDGET, 0.5, ranking="per_chunk"), sink="chat"),
-    Config(rc.selective(BUDGET, check_layer=3), sink="chat"),
+    Config(rc.blend(BUDGET, 0.5), sink="dialog"),
 )
 
 
@@ -183,7 +189,7 @@ def speed(engine: HFEngine, tokenizer: PreTrainedTokenizerBase, address: str, re
     config = ClientConfig(servers=(address,), prefix_block_tokens=PREFIX_BLOCK, namespace="speed")
     with make_client(engine, config) as client:
         source = CacheClientSource(client, wait=True)
-        sink = encode(tokenizer, CHAT_SINK)  # the chunk is a whole chat message
+        sink = encode(tokenizer, DIALOG_SINK)  # the chunk is a whole chat message
         source.store(chunk, engine.chunk_kv(chunk, sink_prefix=sink), prefix=False)
         fetched = source.reuse(tokens, segments)
         assert fetched is not None and fetched.layout.num_pi == len(chunk)
