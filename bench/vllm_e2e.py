@@ -33,7 +33,6 @@ stored_prefix_tokens=... pi_claimed_tokens=... pi_top1=... pi_kl=...``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import statistics
@@ -43,16 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
 
+from _vllm_measure import kl_top1  # noqa: E402
 from engine_proc import EngineConfig, EngineProc, common_prefix  # noqa: E402
 from redis_procs import free_ports  # noqa: E402
-from server_procs import CacheServerProc  # noqa: E402
-
-from nopecache.proto import cache_pb2, cache_pb2_grpc  # noqa: E402
+from server_procs import CacheServerProc, wait_stored  # noqa: E402
 
 IM_START = 1  # SmolLM2's <|im_start|>
 ROUNDS = 3
@@ -117,34 +113,6 @@ def _chat(
     return engine.chat([*messages, {"role": "user", "content": question}])
 
 
-def _wait_stored(address: str, timeout_s: float = 60.0) -> int:
-    """Wait until the server's entry count stops growing (the background store landed)."""
-    with grpc.insecure_channel(address) as channel:
-        stub = cache_pb2_grpc.KVCacheStub(channel)
-        deadline = time.monotonic() + timeout_s
-        last, since = -1, time.monotonic()
-        while time.monotonic() < deadline:
-            try:
-                reply = stub.Stats(cache_pb2.StatsRequest(), timeout=10)
-            except grpc.RpcError:  # a server busy storing on a loaded machine: ask again
-                continue
-            n = sum(t.entries for t in reply.tiers)
-            if n != last:
-                last, since = n, time.monotonic()
-            elif n > 0 and time.monotonic() - since > 1.0:
-                return n
-            time.sleep(0.1)
-    raise RuntimeError(f"the store did not settle ({last} entries)")
-
-
-def _kl_top1(ref: dict[str, float], got: dict[str, float], target: int) -> tuple[float, bool]:
-    """KL(ref || got) over ref's top tokens (got's floor where it lacks one), top-1 match."""
-    floor = min(got.values())
-    kl = sum(math.exp(lp) * (lp - got.get(tok, floor)) for tok, lp in ref.items())
-    best = max(got, key=lambda tok: got[tok])
-    return max(kl, 0.0), int(best) == target
-
-
 Pair = tuple[EngineProc, EngineProc, str | None]  # store engine, load engine, server to watch
 
 
@@ -168,7 +136,7 @@ def exact_prefix(pairs: dict[str, Pair]) -> dict[str, dict[str, float]]:
             got["cold"].append(out["seconds"])
             store.generate(stored, max_tokens=1)
             if address is not None:
-                _wait_stored(address)
+                wait_stored(address)
             else:
                 time.sleep(2.0)  # a peer's store: no entry count to watch
             out = load.generate(prompt, max_tokens=1)
@@ -213,7 +181,7 @@ def truncated_history(store: EngineProc, load: EngineProc, ref: EngineProc) -> d
     )
     kls, hits = [], []
     for j, out in enumerate([*first, *rest]):
-        kl, hit = _kl_top1(ref_lps[j], out["logprobs"][0], cont[j])
+        kl, hit = kl_top1(ref_lps[j], out["logprobs"][0], cont[j])
         kls.append(kl)
         hits.append(hit)
     print(

@@ -9,8 +9,7 @@ own :class:`~nopecache.client.CacheClient`; the two share KV only through the se
                                          ^ lands at ~500: prefix caching misses, nopecache
                                            fetches it re-rotated and recomputes a few tokens
 
-Segments are chat messages: each message is tokenized on its own, so the system prompt
-has the same token ids in both prompts and its chunks the same content keys.
+The prompts are the demos' shared scenario (``_demo_scenario.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from types import FrameType
 from typing import NoReturn
 
 import torch
+from _demo_scenario import ChatPrompt, scenario_prompt
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from nopecache.client import CacheClient, ClientConfig
@@ -42,62 +42,6 @@ NAMESPACE = "nopecache-demo"
 # Chunks up to a few hundred tokens: a system prompt becomes one or two chunks, so the
 # policy's "first tokens of each chunk" stay few (content chunks still survive a move).
 CHUNKER = ContentChunker(min_size=64, avg_size=256, max_size=512)
-
-SYSTEM_PROMPT = (
-    "You are Pip, the customer support assistant of Larkspur Rail, a regional train "
-    "company. Always introduce yourself as Pip. Be brief and friendly.\n\n"
-    "Facts you must use:\n"
-    "- Refund policy number: RP-7342. Tickets are refunded in full up to 48 hours before "
-    "departure.\n"
-    "- Lost luggage: report it within 14 days using form LL-19 at any station desk.\n"
-    "- Pets: small pets ride free in a carrier; dogs over 10 kg need a pet ticket for 6 euros.\n"
-    "- Bikes: folding bikes ride free; other bikes need a reservation on routes R2 and R5.\n"
-    "- Customer line: +44 20 7946 0815, open 7:00 to 22:00 every day.\n"
-    "- Delay compensation: 25% of the fare for 30 minutes late, 50% for 60 minutes, 100% for "
-    "120 minutes.\n"
-    "- The first-class lounge at Larkspur Central opens at 5:30 and closes at 23:00.\n"
-    "- Wi-Fi network name on board: LarkspurGuest, no password.\n"
-    "Never invent a policy number: if asked, quote RP-7342 exactly."
-)
-QUESTION_1 = "What is your name?"
-QUESTION_2 = "Which form do I use to report my lost suitcase, and within how many days?"
-
-REPORT_PARAGRAPHS = (
-    "Trip report, submitted by Dana Whitfield, passenger on train R2 from Larkspur Central "
-    "to Millbrook Harbour, Tuesday 4 March.",
-    "Summary. The 08:12 departure left Larkspur Central at 08:31, nineteen minutes late, "
-    "because of a signal fault near Ashford Junction. The driver announced the delay twice, "
-    "and the announcements were clear. Between Ashford Junction and Fenwick the train "
-    "stopped three more times for a few minutes each, and we finally reached Millbrook "
-    "Harbour at 10:07 instead of the scheduled 09:04, so sixty-three minutes late in total.",
-    "Luggage. I travelled with a large blue suitcase and a folding bike. The suitcase was "
-    "placed on the rack at the end of coach C. When we arrived at Millbrook Harbour the "
-    "suitcase was not there. I checked the other racks and asked the guard, who suggested "
-    "it might have been taken off by mistake at Fenwick, where many passengers changed "
-    "trains. The suitcase has a yellow ribbon on the handle and a name tag with my phone "
-    "number. It contains clothes, a laptop charger and two books.",
-    "Onboard conditions. Coach C was crowded because coach D was closed for cleaning. "
-    "Several passengers stood in the vestibule with suitcases. The heating in coach C "
-    "worked, but the toilet at the rear was out of order for the whole journey. The onboard "
-    "Wi-Fi connected but dropped every few minutes, which made it hard to work. The trolley "
-    "service reached coach C only once, at about 09:20, and had run out of sandwiches by "
-    "then. Staff were polite and apologised for the delay.",
-    "Connections. Because of the delay I missed the 09:15 ferry from Millbrook Harbour to "
-    "Saltmarsh Island and had to wait for the 11:00 ferry. The ferry company did not accept "
-    "my rail ticket as proof of the delay. I spent 14 euros on lunch while waiting. I would "
-    "also like to know if the missed meeting on the island can be taken into account, "
-    "although I understand this may not be covered.",
-    "Return journey. On the way back on Thursday 6 March the 17:40 from Millbrook Harbour "
-    "was on time and comfortable. The Wi-Fi worked well, coach B was quiet, and the guard "
-    "helped an elderly passenger with her luggage. I want to thank the staff on that train.",
-    "Requests. I would like to know how much compensation I can claim for the sixty-three "
-    "minute delay on my ticket, which cost 38 euros, how to report my missing suitcase, and "
-    "whether the folding bike needed a reservation, because a member of staff at Larkspur "
-    "Central told me it did. Please reply by email or call me on the number on my luggage "
-    "tag.",
-)
-QUICK_REPORT_PARAGRAPHS = 3
-"""``--quick`` uploads only the report's first paragraphs (~170 tokens instead of ~600)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,50 +85,9 @@ class EngineReport:
     nocache_answer: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class ChatPrompt:
-    """A prompt made of chat messages, tokenized one message at a time."""
-
-    tokens: tuple[int, ...]
-    segments: tuple[int, ...]  # where each message starts
-    names: tuple[str, ...]
-
-    def sizes(self) -> tuple[tuple[str, int], ...]:
-        """(message name, tokens) in prompt order."""
-        ends = (*self.segments[1:], len(self.tokens))
-        return tuple((n, e - s) for n, s, e in zip(self.names, self.segments, ends, strict=True))
-
-
-def chat_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str, str]]
-) -> ChatPrompt:
-    """``(name, role, content)`` messages in SmolLM2's ChatML, then the assistant header.
-
-    The chat template would insert a default system prompt when the first message is not
-    one; building the ChatML here keeps every message's token ids independent of its place.
-    """
-    tokens: list[int] = []
-    segments: list[int] = []
-    names: list[str] = []
-    parts = [(n, f"<|im_start|>{r}\n{c}<|im_end|>\n") for n, r, c in messages]
-    for name, text in [*parts, ("assistant header", "<|im_start|>assistant\n")]:
-        segments.append(len(tokens))
-        names.append(name)
-        tokens += tokenizer.encode(text, add_special_tokens=False)
-    return ChatPrompt(tuple(tokens), tuple(segments), tuple(names))
-
-
 def engine_prompt(tokenizer: PreTrainedTokenizerBase, job: EngineJob) -> ChatPrompt:
     """Engine 1's chat (system prompt first) or engine 2's (uploaded report first)."""
-    system = ("system prompt", "system", SYSTEM_PROMPT)
-    if job.role == 1:
-        return chat_prompt(tokenizer, [system, ("question", "user", QUESTION_1)])
-    paragraphs = REPORT_PARAGRAPHS[:QUICK_REPORT_PARAGRAPHS] if job.quick else REPORT_PARAGRAPHS
-    report = "Here is the trip report I uploaded:\n\n" + "\n\n".join(paragraphs)
-    return chat_prompt(
-        tokenizer,
-        [("uploaded report", "user", report), system, ("question", "user", QUESTION_2)],
-    )
+    return scenario_prompt(tokenizer, job.role, job.quick)
 
 
 def _client(engine: HFEngine, server: str) -> CacheClient:

@@ -21,74 +21,20 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
 from _demo_engine import EngineJob, EngineReport, engine_main
+from _demo_server import DemoError, embedded_server
 
-SERVER_TIER = "cpu://?capacity=512MiB&pinned=no"
-_START_TIMEOUT_S = 60.0
 _ENGINE_TIMEOUT_S = 900.0
-_LISTENING = re.compile(r"listening on \S+:(\d+) ")
-
-
-class DemoError(RuntimeError):
-    """A step of the demo failed; the message says which and why."""
-
-
-@contextmanager
-def embedded_server(workdir: Path) -> Iterator[tuple[str, int]]:
-    """Run a CPU-tier nopecache server on a free loopback port; yield (address, pid).
-
-    The server picks the port (``--port 0``) and logs it; the log goes to a file so a
-    failure can show its end. It is stopped (SIGTERM, then SIGKILL) whatever happens.
-    """
-    log_path = workdir / "server.log"
-    cmd = [sys.executable, "-m", "nopecache.cache_server", "--host", "127.0.0.1", "--port", "0"]
-    cmd += ["--tier", SERVER_TIER, "--no-write-through", "--no-metrics"]
-    cmd += ["--shutdown-grace-s", "1", "--log-level", "INFO"]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    try:
-        port = _wait_listening(proc, log_path)
-        yield f"127.0.0.1:{port}", proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        print(f"server stopped (pid {proc.pid}, exit status {proc.returncode})", flush=True)
-
-
-def _wait_listening(proc: subprocess.Popen[bytes], log_path: Path) -> int:
-    """The port the server logged once it serves; DemoError if it exits or stays silent."""
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        found = _LISTENING.search(text)
-        if found:
-            return int(found.group(1))
-        if proc.poll() is not None:
-            raise DemoError(f"the server exited with {proc.returncode}:\n{text[-2000:]}")
-        time.sleep(0.1)
-    tail = log_path.read_text(errors="replace")[-2000:]
-    raise DemoError(
-        f"the server did not log 'listening on' within {_START_TIMEOUT_S:.0f} s:\n{tail}"
-    )
 
 
 def run_engine(job: EngineJob) -> EngineReport:

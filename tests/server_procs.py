@@ -11,8 +11,8 @@ Fixtures:
                             servers (optionally over one Redis, write-through) and
                             returns them; all are killed after the test
 
-Plain helpers (for benchmarks and other fixtures): :class:`CacheServerProc`,
-:func:`start_cache_servers`.
+Plain helpers (for benchmarks, demos and other fixtures): :class:`CacheServerProc`,
+:func:`start_cache_servers`, :func:`wait_stored`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis_procs import free_ports
 
-__all__ = ["CacheServerProc", "ServerFactory", "start_cache_servers"]
+from nopecache.proto import cache_pb2, cache_pb2_grpc
+
+__all__ = ["CacheServerProc", "ServerFactory", "start_cache_servers", "wait_stored"]
 
 SERVICE_NAME = "nopecache.v1.KVCache"
 DEFAULT_TIER = "cpu://?capacity=64MiB&pinned=no"
@@ -183,6 +185,30 @@ def start_cache_servers(
             server.kill()
         raise
     return started
+
+
+def wait_stored(address: str, at_least: int = 1, timeout_s: float = 60.0) -> int:
+    """Wait until a server holds ``at_least`` entries and their count stopped growing.
+
+    Engines store in the background: this is how a caller knows a store has landed. The
+    count must hold still for a second; returns it (RuntimeError after ``timeout_s``).
+    """
+    with grpc.insecure_channel(address) as channel:
+        stub = cache_pb2_grpc.KVCacheStub(channel)
+        deadline = time.monotonic() + timeout_s
+        last, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Stats(cache_pb2.StatsRequest(), timeout=10)
+            except grpc.RpcError:  # a server busy storing on a loaded machine: ask again
+                continue
+            n = sum(t.entries for t in reply.tiers)
+            if n != last:
+                last, since = n, time.monotonic()
+            elif n >= at_least and time.monotonic() - since > 1.0:
+                return n
+            time.sleep(0.1)
+    raise RuntimeError(f"the store did not settle: {last} entries on {address}")
 
 
 ServerFactory = Callable[..., list[CacheServerProc]]

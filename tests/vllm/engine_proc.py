@@ -6,8 +6,9 @@ one JSON line on a private pipe (vLLM's own logs go to a log file). Commands:
 
     {"op": "chat", "messages": [...]}            -> {"ids": [...]}  (chat template applied)
     {"op": "generate", "prompts": [[ids]], "max_tokens": n, "prompt_logprobs": k | null,
-     "logprobs": k | null}
-        -> {"outputs": [{"ids", "cached", "prompt_logprobs", "logprobs"}], "seconds": s}
+     "logprobs": k | null, "skip_reading_prefix_cache": bool | null}
+        -> {"outputs": [{"ids", "text", "cached", "prompt_logprobs", "logprobs"}],
+            "seconds": s}
     {"op": "metrics"}                            -> {"vllm:...": value}  (counters summed)
 
 CPU settings every engine shares (so every run does the same arithmetic): one OpenMP
@@ -128,11 +129,25 @@ class EngineProc:
         return ids
 
     def generate(
-        self, prompt: list[int], max_tokens: int = 16, prompt_logprobs: int | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int = 16,
+        prompt_logprobs: int | None = None,
+        skip_reading_prefix_cache: bool | None = None,
     ) -> dict[str, Any]:
-        """Greedy generation of one prompt: ids, cached tokens, seconds (and logprobs)."""
+        """Greedy generation of one prompt: ids, text, cached tokens, seconds (and logprobs).
+
+        vLLM reads no cache (its own nor the connector's) for a request that asks for
+        prompt logprobs unless ``skip_reading_prefix_cache=False``. Then only the tokens
+        after the first computed position get prompt logprobs (vLLM leaves the others
+        unwritten; here they are None) and the output is not detokenized (text "").
+        """
         answer = self.call(
-            "generate", prompts=[prompt], max_tokens=max_tokens, prompt_logprobs=prompt_logprobs
+            "generate",
+            prompts=[prompt],
+            max_tokens=max_tokens,
+            prompt_logprobs=prompt_logprobs,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
         )
         out: dict[str, Any] = answer["outputs"][0]
         out["seconds"] = answer["seconds"]
@@ -200,10 +215,19 @@ def _build(config: dict[str, Any]) -> Any:
     )
 
 
-def _logprobs(entries: Any) -> list[dict[str, float] | None] | None:
+def _logprobs(entries: Any, cached: int = 0) -> list[dict[str, float] | None] | None:
+    """Token -> logprob per position; None where vLLM computed nothing (``<= cached``).
+
+    Entry ``j`` is the distribution of token ``j`` given the tokens before it, computed at
+    position ``j - 1``: with ``cached`` tokens read from a cache the first one computed is
+    ``cached + 1``.
+    """
     if entries is None:
         return None
-    return [None if e is None else {str(tok): lp.logprob for tok, lp in e.items()} for e in entries]
+    return [
+        None if e is None or j <= cached else {str(tok): lp.logprob for tok, lp in e.items()}
+        for j, e in enumerate(entries)
+    ]
 
 
 def _serve(llm: Any, command: dict[str, Any]) -> Any:
@@ -222,6 +246,10 @@ def _serve(llm: Any, command: dict[str, Any]) -> Any:
             temperature=0.0,
             prompt_logprobs=command.get("prompt_logprobs"),
             logprobs=command.get("logprobs"),
+            skip_reading_prefix_cache=command.get("skip_reading_prefix_cache"),
+            # Reading a cache with prompt logprobs: vLLM fills the rows of cached tokens
+            # with whatever memory held, ids included, which the detokenizer chokes on.
+            detokenize=command.get("skip_reading_prefix_cache") is not False,
         )
         prompts = [TokensPrompt(prompt_token_ids=p) for p in command["prompts"]]
         start = time.perf_counter()
@@ -232,8 +260,9 @@ def _serve(llm: Any, command: dict[str, Any]) -> Any:
             "outputs": [
                 {
                     "ids": list(o.outputs[0].token_ids),
+                    "text": o.outputs[0].text,
                     "cached": o.num_cached_tokens,
-                    "prompt_logprobs": _logprobs(o.prompt_logprobs),
+                    "prompt_logprobs": _logprobs(o.prompt_logprobs, o.num_cached_tokens),
                     "logprobs": _logprobs(o.outputs[0].logprobs),
                 }
                 for o in outs
