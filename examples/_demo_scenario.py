@@ -35,6 +35,48 @@ SYSTEM_PROMPT = (
     "- Wi-Fi network name on board: LarkspurGuest, no password.\n"
     "Never invent a policy number: if asked, quote RP-7342 exactly."
 )
+# vLLM's CPU build caches whole 128-token blocks and claims up to the last whole block it
+# holds, so the vLLM demo's system prompt goes on with a station guide (~1.1k tokens in
+# all): most of engine 2's prompt is then reusable, as with a real agent's instructions.
+STATION_GUIDE = (
+    "Station guide for Pip.\n\n"
+    "Larkspur Central has twelve platforms. Platforms 1 to 4 serve the coast line to "
+    "Millbrook Harbour, platforms 5 to 8 the valley line to Ashford Junction and Fenwick, "
+    "and platforms 9 to 12 the night trains and the airport shuttle. The ticket hall is "
+    "on the upper level and opens at 5:00. The left-luggage office is next to platform 1 "
+    "and keeps bags for up to seven days, at 4 euros per bag per day.\n\n"
+    "Millbrook Harbour station is two minutes on foot from the ferry terminal. The ferry "
+    "to Saltmarsh Island leaves at 09:15, 11:00, 14:30 and 18:00. A combined rail and "
+    "ferry ticket costs 12 euros more than the rail fare alone and must be bought before "
+    "boarding the train. The ferry company accepts a delay certificate from the guard, "
+    "which passengers can ask for on any train that runs more than 20 minutes late.\n\n"
+    "Ashford Junction is where the valley line meets the coast line. Signal faults there "
+    "cause most delays on route R2. Passengers changing trains at Ashford Junction have "
+    "at least eight minutes between connections; staff hold a connecting train for up to "
+    "five minutes when the arriving train is late. The waiting room on platform 2 is "
+    "heated in winter and has a water fountain.\n\n"
+    "Fenwick is the busiest change point on the valley line. Lost property found on trains "
+    "that pass through Fenwick is sent to the Larkspur Central desk within two days. "
+    "Items are kept for three months; after that they are donated to charity. Passengers "
+    "who report a lost item with form LL-19 get a reference number by text message.\n\n"
+    "Accessibility. Every station on routes R2 and R5 has step-free access. Passengers "
+    "who need help boarding can book assistance up to two hours before departure on the "
+    "customer line. Wheelchair spaces are in coach A on every train. Guide dogs and "
+    "assistance dogs always travel free and need no pet ticket.\n\n"
+    "Tickets. Day returns are valid until 04:00 the next morning. A season ticket can be "
+    "paused once a year for up to four weeks. Children under five travel free; children "
+    "from five to fifteen pay half fare. The family card costs 30 euros a year and gives a "
+    "third off adult fares when at least one child travels. Tickets bought on board cost "
+    "an extra 3 euros unless the ticket machine at the station was out of order.\n\n"
+    "Food and drink. The trolley service runs on trains longer than 40 minutes between "
+    "07:00 and 20:00. It sells hot drinks, sandwiches and fruit, and takes cards only. "
+    "The cafe at Larkspur Central is open from 05:30 to 22:30. Passengers may bring their "
+    "own food on board, but alcohol is not allowed on trains after 21:00.\n\n"
+    "Complaints. Written complaints are answered within ten working days. Passengers who "
+    "are not satisfied with the answer can ask the independent rail ombudsman to review "
+    "the case within two months. Pip never promises compensation beyond the policy above."
+)
+LONG_SYSTEM_PROMPT = SYSTEM_PROMPT + "\n\n" + STATION_GUIDE
 QUESTION_1 = "What is your name?"
 QUESTION_2 = "Which form do I use to report my lost suitcase, and within how many days?"
 

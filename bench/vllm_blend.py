@@ -1,0 +1,364 @@
+"""Reuse at any position inside vLLM: blend mode against no cache and against prefix mode.
+
+Run in the vLLM environment: ``.venv-vllm/bin/python bench/vllm_blend.py`` (``make bench``
+does). One nopecache server (the embedded default, CPU tier) on loopback and four vLLM
+processes (CPU build, SmolLM2-135M, bf16, one OpenMP thread each, vLLM's own prefix cache
+off, so every hit comes through the connector):
+
+    store   connector in prefix mode: answers each shape's stored prompt, stores its KV
+    blend   ``pi_reuse="blend"`` (``--policy``, ``--budget``), save off: the engine measured
+    prefix  ``pi_reuse="off"``, save off: prefix mode on the same prompts
+    ref     no connector: vLLM without the cache
+
+The four shapes (``bench/_blend_shapes.py``: truncated history, report before the system
+prompt, agents sharing a block behind different preambles, RAG documents reordered), each
+in turn:
+
+1. ``store`` answers the shape's stored prompt; the server's entry count settles.
+2. TTFT on the first question: ``--rounds`` rounds of ``ref`` then ``blend``
+   (``max_tokens=1``; blend's time holds lookup, fetch, placement and its recompute loop),
+   medians; ``prefix`` once. The connector's counters around blend's first request give
+   the tokens reused (exact + position-independent) and the token-layers recomputed.
+3. Quality on every question: ``ref``'s greedy answer (``MAX_ANSWER`` tokens) is the
+   continuation; ``ref``'s prompt logprobs over prompt + answer are the reference, and
+   ``blend``'s and ``prefix``'s over the same tokens, read through the connector
+   (``skip_reading_prefix_cache=False``), give KL (over the reference's top ``TOP``) and
+   top-1 agreement at every answer position. ``blend``'s own greedy answer is checked
+   for the expected fact.
+
+Summary: TTFT speed-up is the geometric mean over shapes of ref / blend; reused shares are
+token-weighted over shapes (reused / prompt tokens); recompute is recomputed / reused
+position-independent token-layers; top-1 and KL are means over all answer positions;
+fact_kept is, of the questions whose no-cache answer holds the fact, the share whose blend
+answer does too. ``--pi-reuse contiguous`` runs the same with the contiguous mode in
+place of blend (no recompute) for comparison.
+
+Last line: ``RESULT blend_ttft_speedup=... blend_reused=... blend_recompute=...
+blend_top1=... blend_kl=... blend_fact_kept=... prefix_mode_reused=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests"), str(ROOT / "examples")]
+
+from _blend_shapes import SHAPES, Message, Shape  # noqa: E402
+from _demo_scenario import chat_prompt  # noqa: E402
+from _vllm_measure import kl_top1  # noqa: E402
+from engine_proc import EngineConfig, EngineProc  # noqa: E402
+from redis_procs import free_ports  # noqa: E402
+from server_procs import CacheServerProc, wait_stored  # noqa: E402
+
+IM_START = 1  # SmolLM2's <|im_start|>: every chat message starts with it
+MAX_ANSWER = 24
+TOP = 20
+_COUNTERS = (
+    "loaded_exact_tokens",
+    "loaded_pi_tokens",
+    "blend_claimed_tokens",
+    "blend_miss_tokens",
+    "pi_token_layers",
+    "recomputed_token_layers",
+    "blend_fallbacks",
+)
+
+
+@dataclass(slots=True)
+class Quality:
+    """Teacher-forced agreement with the reference over answer positions."""
+
+    kls: list[float] = field(default_factory=list)
+    hits: list[bool] = field(default_factory=list)
+
+    def add(self, ref: list[Any], got: list[Any], answer: Sequence[int], start: int) -> None:
+        """Fold in the positions ``start + j`` that predict ``answer[j]``."""
+        for j, token in enumerate(answer):
+            ref_lp, got_lp = ref[start + j], got[start + j]
+            if ref_lp is None or got_lp is None:
+                raise RuntimeError(f"no prompt logprobs at position {start + j}")
+            kl, hit = kl_top1(ref_lp, got_lp, token)
+            self.kls.append(kl)
+            self.hits.append(hit)
+
+    @property
+    def kl(self) -> float:
+        """Mean KL over the positions."""
+        return statistics.fmean(self.kls) if self.kls else math.nan
+
+    @property
+    def top1(self) -> float:
+        """Share of positions whose top token is the reference's."""
+        return statistics.fmean(self.hits) if self.hits else math.nan
+
+
+@dataclass(slots=True)
+class ShapeResult:
+    """What one shape measured."""
+
+    name: str
+    prompt_tokens: int = 0
+    ttft_ref: list[float] = field(default_factory=list)
+    ttft_blend: list[float] = field(default_factory=list)
+    ttft_prefix: float = 0.0
+    blend: dict[str, float] = field(default_factory=dict)  # counter deltas, one request
+    prefix: dict[str, float] = field(default_factory=dict)
+    blend_quality: Quality = field(default_factory=Quality)
+    prefix_quality: Quality = field(default_factory=Quality)
+    facts_ref: int = 0  # questions whose no-cache answer holds the fact
+    facts_kept: int = 0  # of those, the ones whose blend answer holds it too
+    questions: int = 0
+    answers: list[tuple[str, str, str]] = field(default_factory=list)  # question, ref, blend
+
+    @property
+    def blend_reused(self) -> float:
+        """Tokens blend took from the cache (exact + position-independent)."""
+        return self.blend.get("loaded_exact_tokens", 0.0) + self.blend.get("loaded_pi_tokens", 0.0)
+
+    @property
+    def prefix_reused(self) -> float:
+        """Tokens prefix mode took from the cache."""
+        return self.prefix.get("loaded_exact_tokens", 0.0)
+
+    @property
+    def speedup(self) -> float:
+        """Median TTFT without the cache over median TTFT with it."""
+        return statistics.median(self.ttft_ref) / statistics.median(self.ttft_blend)
+
+
+class Engines:
+    """The four engines and the server they share (see the module docstring)."""
+
+    def __init__(self, store: EngineProc, blend: EngineProc, prefix: EngineProc, ref: EngineProc):
+        self.store, self.blend, self.prefix, self.ref = store, blend, prefix, ref
+
+    def all(self) -> tuple[EngineProc, ...]:
+        """Every engine."""
+        return (self.store, self.blend, self.prefix, self.ref)
+
+
+def _counters(engine: EngineProc) -> dict[str, float]:
+    metrics = engine.metrics()
+    return {name: metrics.get(f"vllm:nopecache_{name}", 0.0) for name in _COUNTERS}
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def _timed_with_counters(engine: EngineProc, prompt: list[int]) -> tuple[float, dict[str, float]]:
+    before = _counters(engine)
+    seconds = float(engine.generate(prompt, max_tokens=1)["seconds"])
+    return seconds, _delta(before, _counters(engine))
+
+
+def _through_connector(engine: EngineProc, prompt: list[int]) -> list[Any]:
+    out = engine.generate(
+        prompt, max_tokens=1, prompt_logprobs=TOP, skip_reading_prefix_cache=False
+    )
+    lps: list[Any] = out["prompt_logprobs"]
+    return lps
+
+
+def run_shape(shape: Shape, engines: Engines, ids: Any, address: str, rounds: int) -> ShapeResult:
+    """Store, time and check one shape (steps 1-3 of the module docstring)."""
+    result = ShapeResult(shape.name)
+    entries = wait_stored(address, at_least=0, timeout_s=30)
+    engines.store.generate(ids(shape.stored), max_tokens=1)
+    wait_stored(address, at_least=entries + 1)
+
+    first = ids(shape.asking(shape.questions[0][0]))
+    result.prompt_tokens = len(first)
+    for r in range(rounds):
+        result.ttft_ref.append(float(engines.ref.generate(first, max_tokens=1)["seconds"]))
+        if r == 0:
+            seconds, result.blend = _timed_with_counters(engines.blend, first)
+        else:
+            seconds = float(engines.blend.generate(first, max_tokens=1)["seconds"])
+        result.ttft_blend.append(seconds)
+    result.ttft_prefix, result.prefix = _timed_with_counters(engines.prefix, first)
+
+    for question, expected in shape.questions:
+        prompt = ids(shape.asking(question))
+        ref_answer = engines.ref.generate(prompt, max_tokens=MAX_ANSWER)
+        answer = list(ref_answer["ids"])
+        forced = prompt + answer
+        ref_lps = engines.ref.generate(forced, max_tokens=1, prompt_logprobs=TOP)
+        result.blend_quality.add(
+            ref_lps["prompt_logprobs"],
+            _through_connector(engines.blend, forced),
+            answer,
+            len(prompt),
+        )
+        result.prefix_quality.add(
+            ref_lps["prompt_logprobs"],
+            _through_connector(engines.prefix, forced),
+            answer,
+            len(prompt),
+        )
+        blend_answer = engines.blend.generate(prompt, max_tokens=MAX_ANSWER)
+        result.questions += 1
+        if expected.lower() in ref_answer["text"].lower():
+            result.facts_ref += 1
+            result.facts_kept += expected.lower() in blend_answer["text"].lower()
+        result.answers.append((question, ref_answer["text"], blend_answer["text"]))
+    return result
+
+
+def _start_all(configs: dict[str, EngineConfig], work: Path) -> dict[str, EngineProc]:
+    """Start the engines side by side (each start is ~30 s, mostly one core's work)."""
+    procs = {name: EngineProc(cfg, work / f"{name}.log") for name, cfg in configs.items()}
+    with ThreadPoolExecutor(len(procs)) as pool:
+        futures = {name: pool.submit(proc.start) for name, proc in procs.items()}
+        errors = [f.exception() for f in futures.values()]
+    failed = [e for e in errors if e is not None]
+    if failed:
+        for proc in procs.values():
+            proc.stop()
+        raise failed[0]
+    for proc in procs.values():  # first requests allocate: keep them out of the numbers
+        proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
+    return procs
+
+
+def _ms(seconds: Sequence[float] | float) -> str:
+    value = statistics.median(seconds) if isinstance(seconds, Sequence) else seconds
+    return f"{value * 1e3:.0f}"
+
+
+def print_table(results: list[ShapeResult], mode: str) -> None:
+    """The per-shape table (markdown, as the README shows it)."""
+    print()
+    print(
+        f"| shape | prompt | {mode} reused | recompute | TTFT no cache | TTFT {mode} | speed-up "
+        f"| prefix reused | TTFT prefix | top-1 | KL | prefix KL | facts |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        recompute = _share(
+            r.blend.get("recomputed_token_layers", 0.0), r.blend.get("pi_token_layers", 0.0)
+        )
+        print(
+            f"| {r.name} | {r.prompt_tokens} | {r.blend_reused:.0f} "
+            f"({r.blend_reused / r.prompt_tokens:.0%}) | {recompute:.3f} | {_ms(r.ttft_ref)} ms "
+            f"| {_ms(r.ttft_blend)} ms | {r.speedup:.2f}x | {r.prefix_reused:.0f} "
+            f"({r.prefix_reused / r.prompt_tokens:.0%}) | {_ms(r.ttft_prefix)} ms "
+            f"| {r.blend_quality.top1:.3f} | {r.blend_quality.kl:.4f} | {r.prefix_quality.kl:.4f} "
+            f"| {r.facts_kept}/{r.facts_ref} of {r.questions} |"
+        )
+    print()
+    for r in results:
+        fallbacks = r.blend.get("blend_fallbacks", 0.0)
+        if fallbacks:
+            print(f"{r.name}: {fallbacks:.0f} blend fallbacks")
+        for question, ref, got in r.answers:
+            print(f"{r.name}: {question!r}\n  no cache: {ref!r}\n  {mode}: {got!r}")
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+def summary(results: list[ShapeResult]) -> dict[str, float]:
+    """The RESULT line's values (see the module docstring)."""
+    prompt = sum(r.prompt_tokens for r in results)
+    quality = Quality()
+    for r in results:
+        quality.kls += r.blend_quality.kls
+        quality.hits += r.blend_quality.hits
+    facts_ref = sum(r.facts_ref for r in results)
+    return {
+        "blend_ttft_speedup": math.exp(statistics.fmean(math.log(r.speedup) for r in results)),
+        "blend_reused": sum(r.blend_reused for r in results) / prompt,
+        "blend_recompute": _share(
+            sum(r.blend.get("recomputed_token_layers", 0.0) for r in results),
+            sum(r.blend.get("pi_token_layers", 0.0) for r in results),
+        ),
+        "blend_top1": quality.top1,
+        "blend_kl": quality.kl,
+        "blend_fact_kept": _share(sum(r.facts_kept for r in results), facts_ref),
+        "prefix_mode_reused": sum(r.prefix_reused for r in results) / prompt,
+    }
+
+
+def blend_extra(mode: str, policy: str, budget: float) -> dict[str, Any]:
+    """The measured engine's extra config beyond url and segments."""
+    extra: dict[str, Any] = {"pi_reuse": mode, "save": False}
+    if mode == "blend":
+        extra.update(recompute_policy=policy, recompute_budget=budget)
+    return extra
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="vLLM model folder ($NOPECACHE_VLLM_MODEL)")
+    parser.add_argument("--pi-reuse", choices=["blend", "contiguous"], default="blend")
+    parser.add_argument("--policy", default="first_k", help="recompute policy (blend mode)")
+    parser.add_argument("--budget", type=float, default=0.15, help="recompute budget (blend)")
+    parser.add_argument("--rounds", type=int, default=3, help="TTFT rounds per shape")
+    parser.add_argument("--shapes", nargs="*", default=None, help="run only these shapes")
+    args = parser.parse_args()
+
+    model = args.model or os.environ.get("NOPECACHE_VLLM_MODEL")
+    if not model:
+        sys.exit("set NOPECACHE_VLLM_MODEL (make bench does) or pass --model")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def ids(messages: Sequence[Message]) -> list[int]:
+        return list(chat_prompt(tokenizer, [(role, role, text) for role, text in messages]).tokens)
+
+    shapes = [make() for make in SHAPES]
+    if args.shapes:
+        shapes = [s for s in shapes if s.name in args.shapes]
+    work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-blend-"))
+    server = CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=2GiB&pinned=no",))
+    server.start()
+    url = f"nopecache://{server.address}"
+    seg: dict[str, Any] = {"url": url, "segment_token_ids": [IM_START]}
+    configs = {
+        "store": EngineConfig(model=model, connector=seg),
+        "blend": EngineConfig(
+            model=model, connector={**seg, **blend_extra(args.pi_reuse, args.policy, args.budget)}
+        ),
+        "prefix": EngineConfig(model=model, connector={**seg, "pi_reuse": "off", "save": False}),
+        "ref": EngineConfig(model=model),
+    }
+    procs: dict[str, EngineProc] = {}
+    try:
+        procs = _start_all(configs, work)
+        engines = Engines(procs["store"], procs["blend"], procs["prefix"], procs["ref"])
+        print(f"engines ready (logs in {work})", flush=True)
+        results = []
+        for shape in shapes:
+            result = run_shape(shape, engines, ids, server.address, args.rounds)
+            print(
+                f"{shape.name}: {result.prompt_tokens} tokens, {args.pi_reuse} reused "
+                f"{result.blend_reused:.0f}, prefix reused {result.prefix_reused:.0f}, TTFT "
+                f"{_ms(result.ttft_ref)} -> {_ms(result.ttft_blend)} ms",
+                flush=True,
+            )
+            results.append(result)
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        server.stop()
+    print_table(results, args.pi_reuse)
+    fields = " ".join(f"{k}={v:.4f}" for k, v in summary(results).items())
+    print(f"RESULT {fields}")
+
+
+if __name__ == "__main__":
+    main()
