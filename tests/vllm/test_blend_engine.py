@@ -125,9 +125,7 @@ def test_uncached_report_is_the_baseline(
 ) -> None:
     every = engines(
         dtype="float32",
-        connector=_connector(
-            server, recompute_policy="first_k", recompute_budget=1.0, save=False
-        ),
+        connector=_connector(server, recompute_policy="first_k", recompute_budget=1.0, save=False),
     )
     prompt = _report_prompt(every, "Which fact of yours helps a passenger of line 3 most?")
     sys_start, sys_end = _system_span(prompt)
@@ -142,9 +140,7 @@ def test_chat_with_system_prompt_first_is_stored(
 ) -> None:
     a = engines(dtype="float32", prefix_caching=True, connector=_connector(server))
     chat = list(
-        a.chat(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
-        )
+        a.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
     )
     system_end = [i for i, t in enumerate(chat) if t == IM_START][1]
     assert len(chat) // BLOCK * BLOCK >= system_end  # whole blocks hold the system prompt
