@@ -50,10 +50,17 @@ def _identity() -> ModelIdentity:
 class _Engine:
     """One engine's two halves, its client and its paged caches (random contents)."""
 
-    def __init__(self, server: CacheServerProc, seed: int, **extra: Any) -> None:
+    def __init__(
+        self,
+        server: CacheServerProc,
+        seed: int,
+        query: str = "?lookup_timeout=300ms",
+        blend_unsupported: str | None = None,
+        **extra: Any,
+    ) -> None:
         model = _identity()
         self.config = ConnectorConfig.from_extra_config(
-            {"url": f"nopecache://{server.address}?lookup_timeout=300ms", **extra}
+            {"url": f"nopecache://{server.address}{query}", **extra}
         )
         self.client = CacheClient(
             self.config.client,
@@ -67,7 +74,7 @@ class _Engine:
             f"model.layers.{i}.self_attn.attn": torch.randn(2, NB, BS, HEADS, DIM, generator=gen)
             for i in reversed(range(LAYERS))  # registration order must not matter
         }
-        self.scheduler = SchedulerSide(self.config, model, self.client)
+        self.scheduler = SchedulerSide(self.config, model, self.client, blend_unsupported)
         self.worker = WorkerSide(self.config, model, self.client)
         self.worker.register(self.caches)
 

@@ -4,10 +4,9 @@ Transformers' own forward computes every token of its input at every layer. Reus
 selective recompute needs a different shape of work: at layer l only the *running*
 tokens (misses, plus the reused tokens the policy still recomputes) are computed, their
 queries attend to the whole prompt (cached KV where a token is not running), and their
-fresh K and V overwrite the cached rows. This module drives the model's own submodules
-(norms, projections, MLP, rotary table, LM head) through that loop, so the weights and
-the arithmetic are the model's; only the attention call and the token bookkeeping are
-here.
+fresh K and V overwrite the cached rows. This module hands the model's own submodules (norms, projections, MLP, rotary table,
+LM head) to the loop of ``selective.py`` (shared with the vLLM connector), so the weights
+and the arithmetic are the model's; the loop does the token bookkeeping and attention.
 
 KV buffers are in prompt order, one row per position, in the block layout::
 
@@ -28,17 +27,16 @@ frequencies do not depend on the sequence length. Anything else raises
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 import transformers
 from torch import nn
-from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from nopecache.client.adapters.recompute import LayerState, RecomputePolicy, ReuseLayout
+from nopecache.client.adapters.recompute import RecomputePolicy, ReuseLayout
+from nopecache.client.adapters.selective import run_selective
 from nopecache.client.errors import InvalidArgumentError, NopecacheError
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -47,8 +45,6 @@ SUPPORTED_ATTENTION = frozenset({"sdpa", "eager"})
 # Frequencies that change with the sequence length would make a cached K depend on the
 # length of the prompt it was computed in, not only on its position.
 UNSUPPORTED_ROPE_TYPES = frozenset({"dynamic", "longrope"})
-PROBE_TOKENS = 16
-"""Last prompt tokens whose attention an attention-weighted policy reads."""
 
 
 class UnsupportedModelError(NopecacheError, TypeError):
@@ -185,6 +181,96 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (x * cos) + (_rotate_half(x) * sin)
 
 
+class _HFProjection:
+    """K/V of the running tokens now, their queries once the policy has narrowed them."""
+
+    def __init__(
+        self,
+        stack: LlamaStack,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        capture: bool,
+    ) -> None:
+        n = x.shape[0]
+        self._stack, self._layer, self._x, self._cos, self._sin = stack, layer, x, cos, sin
+        k = layer.k_proj(x).view(n, stack.num_kv_heads, stack.head_dim)
+        self.v = layer.v_proj(x).view(n, stack.num_kv_heads, stack.head_dim)
+        self.nope_k = k if capture else None
+        self.k = _apply_rope(k, cos, sin)
+
+    def queries(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """Post-RoPE queries of ``rows`` (computed here: only for the tokens that go on)."""
+        x, cos, sin = self._x, self._cos, self._sin
+        if rows is not None:
+            x, cos, sin = x[rows], cos[rows], sin[rows]
+        stack = self._stack
+        q = self._layer.q_proj(x).view(x.shape[0], stack.num_heads, stack.head_dim)
+        return _apply_rope(q, cos, sin)
+
+
+class _HFStackRun:
+    """LlamaStack as the selective loop's Stack for one prompt (its rotary tables)."""
+
+    def __init__(self, stack: LlamaStack, tokens: int, capture: bool) -> None:
+        self.stack = stack
+        self.num_layers = stack.num_layers
+        self.num_heads = stack.num_heads
+        self.num_kv_heads = stack.num_kv_heads
+        self.head_dim = stack.head_dim
+        self.scaling = stack.scaling
+        self.dtype = stack.dtype
+        self.device = stack.device
+        cos, sin = stack.rope_tables(tokens)
+        self._cos, self._sin = cos[0], sin[0]  # [tokens, head_dim]
+        self._capture = capture
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.stack.embed(ids)
+
+    def attention_input(
+        self, layer: int, stream: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return stream, self.stack.layers[layer].input_norm(stream)
+
+    def project(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> _HFProjection:
+        cos = self._cos[positions][:, None]  # [n, 1, head_dim]
+        sin = self._sin[positions][:, None]
+        return _HFProjection(self.stack, self.stack.layers[layer], x, cos, sin, self._capture)
+
+    def finish_layer(self, layer: int, stream: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        mods = self.stack.layers[layer]
+        stream = stream + mods.o_proj(attn)
+        return stream + mods.mlp(mods.post_norm(stream))
+
+    def select(self, stream: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return stream[keep]
+
+
+class _BufferKV:
+    """The prompt's K/V as plain ``[layers, tokens, kv_heads, head_dim]`` buffers."""
+
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cached_k: torch.Tensor | None,
+        cached_v: torch.Tensor | None,
+    ) -> None:
+        self.k, self.v, self._cached_k, self._cached_v = k, v, cached_k, cached_v
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[index], self.v[index]
+
+    def cached(self, index: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._cached_k is not None and self._cached_v is not None
+        return self._cached_k[index, rows], self._cached_v[index, rows]
+
+    def commit(self, index: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Nothing to do: the buffers are the KV."""
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillOutput:
     """Result of one prefill: last-token logits, the prompt's KV, and what it cost."""
@@ -218,36 +304,6 @@ class PrefillOutput:
         if not self.layout.num_pi:
             return 0.0
         return 100.0 * (self.recompute_fraction - self.budget)
-
-
-PolicyHook = Callable[[LayerState], torch.Tensor]
-
-
-def _probe_attention(
-    stack: LlamaStack,
-    layer: _Layer,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    running: torch.Tensor,
-    k_layer: torch.Tensor,
-    pi_rows: torch.Tensor,
-) -> torch.Tensor:
-    """Mean attention ``[kv_heads, n]`` the last running tokens pay to the ``pi_rows``.
-
-    ``x``, ``cos``, ``sin`` are the layer's normed input and rotary tables of the running
-    tokens; the prompt's last tokens are misses, so they are always running.
-    """
-    m = min(PROBE_TOKENS, int(running.numel()))
-    q = layer.q_proj(x[:, -m:]).view(1, m, stack.num_heads, stack.head_dim).transpose(1, 2)
-    probe_q = _apply_rope(q, cos[:, :, -m:], sin[:, :, -m:])[0]  # [heads, m, dim]
-    group = stack.num_heads // stack.num_kv_heads
-    keys = k_layer.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, T, dim]
-    logits = torch.matmul(probe_q, keys.transpose(1, 2)) * stack.scaling
-    future = torch.arange(k_layer.shape[0])[None, :] > running[-m:, None]
-    probs = logits.masked_fill(future, -torch.inf).softmax(-1)  # [heads, m, T]
-    per_head = probs[:, :, pi_rows].mean(1)  # [heads, n]
-    return per_head.view(stack.num_kv_heads, group, -1).mean(1)
 
 
 @torch.no_grad()
@@ -292,85 +348,16 @@ def selective_prefill(
         k_out[:, rows] = cached_k[:, rows].to(stack.dtype)
         v_out[:, rows] = cached_v[:, rows].to(stack.dtype)
     nope = torch.zeros(shape, dtype=stack.dtype, device=stack.device) if capture else None
-
-    # Running tokens: misses always; reused PI tokens as the policy says; prefix never.
-    pi_start = policy.initial(layout, stack.num_layers)
-    is_pi = torch.zeros(tokens, dtype=torch.bool)
-    is_pi[layout.pi_tokens[pi_start]] = True
-    running = (~reused | is_pi).nonzero().squeeze(1)
-    pi_of_token = torch.full((tokens,), -1, dtype=torch.int64)
-    pi_of_token[layout.pi_tokens] = torch.arange(layout.num_pi)
-    checks = policy.check_layers()
-    cos_all, sin_all = stack.rope_tables(tokens)
-    hidden = stack.embed(input_ids.to(stack.device)[running][None])
-    computed = torch.zeros(stack.num_layers, dtype=torch.int64)
-    recomputed = torch.zeros(stack.num_layers, dtype=torch.int64)
-
-    for index, layer in enumerate(stack.layers):
-        n = int(running.numel())
-        full = n == tokens
-        running_pi = running[pi_of_token[running] >= 0]
-        computed[index] = n
-        recomputed[index] = running_pi.numel()
-        x = layer.input_norm(hidden)
-        k = layer.k_proj(x).view(1, n, stack.num_kv_heads, stack.head_dim).transpose(1, 2)
-        v = layer.v_proj(x).view(1, n, stack.num_kv_heads, stack.head_dim).transpose(1, 2)
-        if nope is not None:
-            nope[index, running] = k[0].transpose(0, 1)
-        cos = (cos_all if full else cos_all[:, running])[:, None]
-        sin = (sin_all if full else sin_all[:, running])[:, None]
-        k = _apply_rope(k, cos, sin)
-        k_rows, v_rows = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [n, kv_heads, dim]
-
-        k_out[index, running] = k_rows
-        v_out[index, running] = v_rows
-        keep: torch.Tensor | None = None
-        if index in checks and running_pi.numel():
-            at = (pi_of_token[running] >= 0).nonzero().squeeze(1)
-            assert cached_k is not None and cached_v is not None  # reused tokens need them
-            state = LayerState(
-                layer=index,
-                num_layers=stack.num_layers,
-                layout=layout,
-                running=pi_of_token[running_pi],
-                fresh_k=k_rows[at],
-                fresh_v=v_rows[at],
-                cached_k=cached_k[index, running_pi],
-                cached_v=cached_v[index, running_pi],
-                attention=(
-                    _probe_attention(stack, layer, x, cos, sin, running, k_out[index], running_pi)
-                    if policy.wants_attention
-                    else None
-                ),
-            )
-            keep = torch.ones(n, dtype=torch.bool)
-            keep[at] = policy.narrow(state)
-
-        keys = k_out[index].transpose(0, 1)[None]  # [1, kv_heads, T, dim]
-        values = v_out[index].transpose(0, 1)[None]
-        if keep is not None:
-            # Queries, attention and MLP only for the tokens that go on.
-            x, cos, sin = x[:, keep], cos[:, :, keep], sin[:, :, keep]
-            hidden = hidden[:, keep]
-            running = running[keep]
-        q = layer.q_proj(x).view(1, x.shape[1], stack.num_heads, stack.head_dim).transpose(1, 2)
-        q = _apply_rope(q, cos, sin)
-        if full and keep is None:
-            # transformers' sdpa call for a maskless causal prefill: bit-identical output.
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=stack.scaling, enable_gqa=True
-            )
-        else:
-            mask = torch.arange(tokens, device=stack.device)[None, :] <= running[:, None]
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=stack.scaling, enable_gqa=True
-            )
-        attn = attn.transpose(1, 2).contiguous().reshape(1, int(running.numel()), -1)
-        hidden = hidden + layer.o_proj(attn)
-        hidden = hidden + layer.mlp(layer.post_norm(hidden))
-
-    last = stack.norm(hidden[:, -1:])
-    logits = stack.lm_head(last)[0, -1].float()
+    run = run_selective(
+        _HFStackRun(stack, tokens, capture),
+        _BufferKV(k_out, v_out, cached_k, cached_v),
+        input_ids,
+        layout,
+        policy,
+        capture=nope,
+    )
+    last = stack.norm(run.stream[-1:])
+    logits = stack.lm_head(last)[-1].float()
     return PrefillOutput(
-        logits, k_out, v_out, computed, recomputed, layout, nope, float(policy.budget)
+        logits, k_out, v_out, run.computed, run.recomputed, layout, nope, float(policy.budget)
     )

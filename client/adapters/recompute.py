@@ -59,7 +59,7 @@ from __future__ import annotations
 import abc
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -657,7 +657,31 @@ def selective(
     return Selective(budget, check_layer, score, start, ranking, label)
 
 
-DEFAULT_POLICY: RecomputePolicy = first_k(0.15)
+POLICY_FACTORIES: dict[str, Callable[[float], RecomputePolicy]] = {
+    "none": lambda budget: none(),
+    "first_k": first_k,
+    "deviation": deviation,
+    "blend": blend,
+    "taper": taper,
+    "selective": selective,
+}
+"""The policies by factory name, each built from a budget (what an engine's config names)."""
+
+DEFAULT_POLICY_NAME = "first_k"
+DEFAULT_BUDGET = 0.15
+
+
+def policy_by_name(name: str, budget: float = DEFAULT_BUDGET) -> RecomputePolicy:
+    """The policy ``POLICY_FACTORIES[name](budget)``; InvalidArgumentError for an unknown name."""
+    factory = POLICY_FACTORIES.get(name)
+    if factory is None:
+        raise InvalidArgumentError(
+            "policy", f"unknown policy {name!r}; the policies are {', '.join(POLICY_FACTORIES)}"
+        )
+    return factory(_check_budget(budget))
+
+
+DEFAULT_POLICY: RecomputePolicy = policy_by_name(DEFAULT_POLICY_NAME, DEFAULT_BUDGET)
 """The policy an engine gets unless it chooses one: 15% of the reused token-layers on each
 chunk's first tokens, the best at that budget on bench/quality.py's tuning half (with
 chunks stored behind a chat-like sink prefix)."""

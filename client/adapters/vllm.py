@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from nopecache.client.adapters.vllm_blend import blend_unsupported_reason
 from nopecache.client.adapters.vllm_config import (
     ConnectorConfig,
     ConnectorConfigError,
@@ -98,7 +99,7 @@ class NopecacheWorkerMetadata(KVConnectorWorkerMetadata):
 _WORKER_FIELDS = tuple(
     f.name for f in dataclasses.fields(StepReport) if f.name not in ("failed_requests",)
 )
-_STAT_FIELDS = (*SCHEDULER_COUNTERS, *_WORKER_FIELDS)
+_STAT_FIELDS = tuple(dict.fromkeys((*SCHEDULER_COUNTERS, *_WORKER_FIELDS)))
 
 
 @dataclasses.dataclass
@@ -144,6 +145,11 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "lookup_failures": "Lookups that failed (the request ran uncached)",
         "claimed_exact_tokens": "Prompt tokens claimed from exact-prefix hits",
         "claimed_pi_tokens": "Prompt tokens claimed from position-independent hits",
+        "blend_claimed_tokens": "Prompt tokens claimed in blend mode (hits and the misses between)",
+        "blend_miss_tokens": "Claimed tokens the blend loop computed as misses",
+        "pi_token_layers": "Reused position-independent tokens x layers of blend claims",
+        "recomputed_token_layers": "Of those token-layers, the ones the blend loop recomputed",
+        "blend_fallbacks": "Requests whose blend claim was refused or fell back to the prefix",
     }
 
     def __init__(
@@ -217,15 +223,25 @@ class NopecacheConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._last_report: StepReport | None = None
+        blend_unsupported = blend_unsupported_reason(vllm_config) if self.settings.blend else None
+        if blend_unsupported is not None:
+            log.warning(
+                "nopecache: pi_reuse='blend' unsupported here (%s); claiming exact prefixes only",
+                blend_unsupported,
+            )
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 log.info(
                     "nopecache: kv_load_failure_policy set to 'recompute' (misses are not fatal)"
                 )
                 transfer.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(self.settings, self.model, self.client)
+            self._scheduler = SchedulerSide(
+                self.settings, self.model, self.client, blend_unsupported
+            )
         else:
             self._worker = WorkerSide(self.settings, self.model, self.client)
+            if blend_unsupported is not None:
+                self._worker.refuse_blend(blend_unsupported)
         log.info(
             "nopecache connector (%s): %s, model %s %s, block %d, pi_reuse=%s",
             role.name,
@@ -243,10 +259,20 @@ class NopecacheConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Identify the cache layout; an unknown one is a start-up error."""
-        layout = self._worker_side().register(kv_caches)
+        worker = self._worker_side()
+        layout = worker.register(kv_caches)
         if isinstance(layout, CpuAttnLayout):
             _verify_cpu_layout(layout, self.model.dtype)
         log.info("nopecache: KV cache layout %s for %d layers", layout.name, len(kv_caches))
+        if self.settings.blend:
+            context = self._vllm_config.compilation_config.static_forward_context
+            worker.bind_model({name: context[name] for name in kv_caches if name in context})
+            if worker.blend_stack is not None:
+                log.info(
+                    "nopecache: blend mode runs %s with policy %s",
+                    type(worker.blend_stack).__name__,
+                    self.settings.policy().name,
+                )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step's plan and start timing the step."""
@@ -311,8 +337,9 @@ class NopecacheConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         """Tokens after ``num_computed_tokens`` the cache can supply, and whether they load
         in the background (``load_async``)."""
-        n = self._scheduler_side().matched_tokens(request, num_computed_tokens)
-        return n, self.settings.load_async and n > 0
+        side = self._scheduler_side()
+        n = side.matched_tokens(request, num_computed_tokens)
+        return n, n > 0 and side.claim_is_async(request.request_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Remember the request's blocks; queue a load when tokens were claimed."""

@@ -7,7 +7,16 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
     url          str    (required)   nopecache:// or nopecaches:// URL of the servers
     pi_reuse     str    "off"        "off": exact prefixes only (lossless);
                                      "contiguous": also claim position-independent hits
-                                     that tile the prompt right after the exact prefix
+                                     that tile the prompt right after the exact prefix;
+                                     "blend": claim up to the last hit anywhere in the
+                                     prompt and run the layer loop (vllm_blend.py) for
+                                     the misses and the policy's tokens
+    recompute_policy
+                 str    "first_k"    blend only: a policy factory of recompute.py
+                                     (none, first_k, deviation, blend, taper, selective)
+    recompute_budget
+                 float  0.15         blend only: share of the reused position-independent
+                                     token-layers the policy recomputes, in [0, 1]
     namespace    str    ""           salt separating workloads within one tenant
     load         bool   true         look up and load cached KV
     load_async   bool   false        fetch in the background while vLLM runs other
@@ -37,6 +46,13 @@ from typing import Any, Literal
 
 import torch
 
+from nopecache.client.adapters.recompute import (
+    DEFAULT_BUDGET,
+    DEFAULT_POLICY_NAME,
+    POLICY_FACTORIES,
+    RecomputePolicy,
+    policy_by_name,
+)
 from nopecache.client.config import ClientConfig
 from nopecache.client.errors import InvalidArgumentError, NopecacheError
 from nopecache.client.fingerprint import ModelFingerprint
@@ -52,8 +68,8 @@ __all__ = [
     "model_identity",
 ]
 
-PiReuse = Literal["off", "contiguous"]
-_PI_REUSE: tuple[str, ...] = ("off", "contiguous")
+PiReuse = Literal["off", "contiguous", "blend"]
+_PI_REUSE: tuple[str, ...] = ("off", "contiguous", "blend")
 _EXTRA = "kv_connector_extra_config"
 
 
@@ -104,8 +120,20 @@ class ConnectorConfig:
     load_async: bool = False
     save: bool = True
     segment_token_ids: frozenset[int] = frozenset()
+    recompute_policy: str = DEFAULT_POLICY_NAME
+    recompute_budget: float = DEFAULT_BUDGET
 
-    KEYS = ("url", "pi_reuse", "namespace", "load", "load_async", "save", "segment_token_ids")
+    KEYS = (
+        "url",
+        "pi_reuse",
+        "namespace",
+        "load",
+        "load_async",
+        "save",
+        "segment_token_ids",
+        "recompute_policy",
+        "recompute_budget",
+    )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -131,15 +159,46 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "pi_reuse", f"must be one of {', '.join(_PI_REUSE)}, got {pi_reuse!r}"
             )
+        for key in ("recompute_policy", "recompute_budget"):
+            if key in extra and pi_reuse != "blend":
+                raise ConnectorConfigError(
+                    key, f'applies to pi_reuse="blend" only (pi_reuse is {pi_reuse!r})'
+                )
+        policy = _str("recompute_policy", extra.get("recompute_policy", DEFAULT_POLICY_NAME))
+        if policy not in POLICY_FACTORIES:
+            raise ConnectorConfigError(
+                "recompute_policy",
+                f"must be one of {', '.join(POLICY_FACTORIES)}, got {policy!r}",
+            )
+        budget = extra.get("recompute_budget", DEFAULT_BUDGET)
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, int | float)
+            or not 0.0 <= float(budget) <= 1.0
+        ):
+            raise ConnectorConfigError(
+                "recompute_budget", f"must be a number in [0, 1] (e.g. 0.15), got {budget!r}"
+            )
         return cls(
             client=client,
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
+            recompute_policy=policy,
+            recompute_budget=float(budget),
             namespace=_str("namespace", extra.get("namespace", "")),
             load=_bool("load", extra.get("load", True)),
             load_async=_bool("load_async", extra.get("load_async", False)),
             save=_bool("save", extra.get("save", True)),
             segment_token_ids=_token_ids("segment_token_ids", extra.get("segment_token_ids", [])),
         )
+
+    @property
+    def blend(self) -> bool:
+        """True in blend mode."""
+        return self.pi_reuse == "blend"
+
+    def policy(self) -> RecomputePolicy:
+        """The recompute policy blend mode runs."""
+        return policy_by_name(self.recompute_policy, self.recompute_budget)
 
     def segments(self, tokens: Sequence[int]) -> list[int] | None:
         """Segment starts of ``tokens`` (None: no segment tokens configured)."""

@@ -15,7 +15,7 @@ client's own frozen plan objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from nopecache.client.plan import ReusePlan
 
@@ -42,6 +42,7 @@ class LoadSpec:
     end: int
     block_ids: tuple[int, ...]  # the request's blocks, from position 0
     asynchronous: bool = False  # fetched in the background; vLLM waits for get_finished
+    blend: bool = False  # blend mode: the worker runs the layer loop over [start, end)
 
     @property
     def exact_tokens(self) -> int:
@@ -85,19 +86,19 @@ class StepReport:
     save_dropped: int = 0  # stores the client's queue refused
     computed_tokens: int = 0  # tokens the forward computed
     forward_seconds: float = 0.0  # the step's forward, loads excluded
+    blend_miss_tokens: int = 0  # claimed tokens the blend loop computed as misses
+    pi_token_layers: int = 0  # reused position-independent tokens x layers (blend loads)
+    recomputed_token_layers: int = 0  # of those, recomputed by the blend loop
+    blend_fallbacks: int = 0  # blend loads that failed: vLLM recomputed from the first hit
     failed_requests: list[str] = field(default_factory=list)
 
     def add(self, other: StepReport) -> StepReport:
-        """This report plus ``other`` (a new object)."""
-        return StepReport(
-            self.loaded_exact_tokens + other.loaded_exact_tokens,
-            self.loaded_pi_tokens + other.loaded_pi_tokens,
-            self.loaded_bytes + other.loaded_bytes,
-            self.load_seconds + other.load_seconds,
-            self.load_errors + other.load_errors,
-            self.saved_tokens + other.saved_tokens,
-            self.save_dropped + other.save_dropped,
-            self.computed_tokens + other.computed_tokens,
-            max(self.forward_seconds, other.forward_seconds),
-            self.failed_requests + other.failed_requests,
-        )
+        """This report plus ``other`` (a new object): sums, the longest forward, both lists."""
+        out = StepReport()
+        for f in fields(StepReport):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "forward_seconds":
+                setattr(out, f.name, max(mine, theirs))
+            else:
+                setattr(out, f.name, mine + theirs)
+        return out

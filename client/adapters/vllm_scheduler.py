@@ -21,11 +21,13 @@ Concurrency: every method runs on vLLM's scheduler thread; the client is thread-
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nopecache.client.adapters.vllm_blend import blend_claim_end, blend_layout, blend_pays
 from nopecache.client.adapters.vllm_config import ConnectorConfig, ModelIdentity
 from nopecache.client.adapters.vllm_meta import LoadSpec, SaveSpec, StepPlan, StepReport
 from nopecache.client.chunking import ChunkSpan
@@ -43,9 +45,43 @@ __all__ = [
     "trim_plan",
 ]
 
-SCHEDULER_COUNTERS = ("lookups", "lookup_failures", "claimed_exact_tokens", "claimed_pi_tokens")
+SCHEDULER_COUNTERS = (
+    "lookups",
+    "lookup_failures",
+    "claimed_exact_tokens",
+    "claimed_pi_tokens",
+    "blend_claimed_tokens",
+    "blend_fallbacks",
+)
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown in vLLM's log
+
+# Before any step report: a conservative CPU prefill rate (the claim pays in any case
+# unless fetches are slow).
+_DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
+_SALT = b"nopecache-approximate-kv:"
+
+
+def _salt_block_hashes(request: Any, first_block: int, end_block: int | None = None) -> None:
+    """Give the request's blocks from ``first_block`` on hashes no other request has.
+
+    vLLM's prefix cache indexes a computed block by the chained hash of the tokens up to
+    it, so blocks holding approximate KV (the blend range from its first
+    position-independent token, and every later block, which attended to it) would be
+    served as exact to the next request with the same tokens. vLLM hashes a request's
+    blocks when the request is made and chains each new block's hash from the last one
+    in ``request.block_hashes``; replacing the hashes from the first approximate block on
+    with ones salted by the request id (before the blocks are allocated and cached) files
+    those blocks, and all that follow, under keys no other request computes. Blocks
+    before it keep their hashes and stay shared. ``end_block``: salt only up to there
+    (the rest already is).
+    """
+    hashes = getattr(request, "block_hashes", None)
+    if not isinstance(hashes, list):
+        return
+    salt = _SALT + str(request.request_id).encode()
+    for i in range(first_block, len(hashes) if end_block is None else end_block):
+        hashes[i] = hashlib.sha256(salt + bytes(hashes[i])).digest()
 
 
 def claim_end(plan: ReusePlan, *, contiguous: bool, limit: int, block_size: int) -> int:
@@ -82,6 +118,9 @@ class Claim:
     plan: ReusePlan
     start: int  # vLLM's locally computed tokens at the call
     end: int  # claim end (== start: nothing claimed)
+    blend: bool = False  # the worker runs the layer loop over [start, end)
+    pi_tokens: int = -1  # blend: position-independent tokens in the range (-1: not blend)
+    approximate_from: int | None = None  # blend: first position the layer loop computes
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +150,8 @@ class ConnectorTotals:
     lookup_failures: int = 0
     claimed_exact_tokens: int = 0
     claimed_pi_tokens: int = 0
+    blend_claimed_tokens: int = 0
+    blend_fallbacks: int = 0
     report: StepReport = field(default_factory=StepReport)
 
 
@@ -118,12 +159,22 @@ class SchedulerSide:
     """Lookup and claim bookkeeping for one engine (see the module docstring)."""
 
     def __init__(
-        self, config: ConnectorConfig, model: ModelIdentity, client: CacheClient | None
+        self,
+        config: ConnectorConfig,
+        model: ModelIdentity,
+        client: CacheClient | None,
+        blend_unsupported: str | None = None,
     ) -> None:
-        """A scheduler half using ``client`` (None: the connector loads nothing)."""
+        """A scheduler half using ``client`` (None: the connector loads nothing).
+
+        ``blend_unsupported``: why the engine cannot run blend mode (then it claims
+        prefixes only and counts the requests that lost a blend claim).
+        """
         self.config = config
         self.model = model
         self.client = client
+        self.blend = config.blend and blend_unsupported is None
+        self.policy = config.policy() if self.blend else None
         self._claims: dict[str, Claim] = {}
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -131,6 +182,7 @@ class SchedulerSide:
         # vLLM block hashes announced as stored and not yet seen gone (for BlockRemoved).
         self._advertised: set[Any] = set()
         self._removed: list[Any] = []
+        self._salted: dict[str, int] = {}  # request -> first block salted
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
 
@@ -156,7 +208,7 @@ class SchedulerSide:
                 tokens,
                 segments=self.config.segments(tokens),
                 namespace=self.config.namespace,
-                allow_position_independent=contiguous,
+                allow_position_independent=self.config.pi_reuse != "off",
             )
         except NopecacheError as err:  # a client-side failure: run uncached, say why
             self.totals.lookup_failures += 1
@@ -165,8 +217,73 @@ class SchedulerSide:
         self._note_gone(request, plan.prefix_end // bs, limit // bs)
         end = claim_end(plan, contiguous=contiguous, limit=limit, block_size=bs)
         end = max(end, num_computed_tokens)
-        self._claims[req_id] = Claim(tokens, trim_plan(plan, end), num_computed_tokens, end)
-        return end - num_computed_tokens
+        claim = Claim(tokens, trim_plan(plan, end), num_computed_tokens, end)
+        if self.config.blend:
+            claim = self._blend_claim(request, plan, claim, limit)
+        self._claims[req_id] = claim
+        return claim.end - claim.start
+
+    def _blend_claim(self, request: Any, plan: ReusePlan, prefix: Claim, limit: int) -> Claim:
+        """The blend claim of ``plan`` when it pays, else the prefix claim ``prefix``."""
+        bs = self.model.block_size
+        start = prefix.start
+        end = blend_claim_end(plan, start=start, limit=limit, block_size=bs)
+        if end <= prefix.end:
+            return prefix
+        if not self.blend or self.policy is None:
+            self.totals.blend_fallbacks += 1  # blend refused at start-up (reason logged)
+            return prefix
+        layout = blend_layout(plan, start, end)
+        fraction = self.policy.planned_fraction(layout, self.model.num_layers)
+        if not blend_pays(
+            layout,
+            fraction,
+            prefill_tokens_per_s=self._prefill_rate(),
+            fetch_s=self._fetch_s(layout.num_pi),
+        ):
+            return prefix
+        # The loop's rows match vLLM's own to rounding, not bit for bit: from its first
+        # position on, nothing is stored and vLLM's prefix cache files nothing as exact.
+        approximate_from = layout.prefix_end
+        first = approximate_from // bs
+        salted = self._salted.get(request.request_id)  # a retried claim keeps its salt
+        if salted is None or first < salted:
+            _salt_block_hashes(request, first, salted)
+            self._salted[request.request_id] = first
+        return Claim(
+            prefix.tokens,
+            trim_plan(plan, end),
+            start,
+            end,
+            blend=True,
+            pi_tokens=layout.num_pi,
+            approximate_from=approximate_from,
+        )
+
+    def _prefill_rate(self) -> float:
+        """vLLM's prefill rate, tokens/s, from the workers' reports (a default before any)."""
+        report = self.totals.report
+        if report.computed_tokens and report.forward_seconds > 0:
+            return report.computed_tokens / report.forward_seconds
+        return _DEFAULT_PREFILL_TOKENS_PER_S
+
+    def _fetch_s(self, tokens: int) -> float:
+        """Seconds to fetch ``tokens`` tokens of KV at the client's observed rate (0 before
+        any fetch: the lookup's cost filter already dropped hits slower than recompute)."""
+        if self.client is None:
+            return 0.0
+        stats = self.client.stats()
+        if not stats.fetched_bytes or stats.fetch_seconds <= 0:
+            return 0.0
+        per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
+        nbytes = tokens * per_token * self.model.dtype.itemsize
+        return nbytes * stats.fetch_seconds / stats.fetched_bytes
+
+    def claim_is_async(self, req_id: str) -> bool:
+        """Whether the pending claim of ``req_id`` loads in the background (blend: never,
+        its layer loop must run right before the step's forward)."""
+        claim = self._claims.get(req_id)
+        return self.config.load_async and claim is not None and not claim.blend
 
     def _note_gone(self, request: Any, found_blocks: int, looked_up_blocks: int) -> None:
         """Announced blocks a lookup no longer finds were evicted: report them removed."""
@@ -192,13 +309,19 @@ class SchedulerSide:
                 claim.start,
                 end,
                 tuple(block_ids),
-                asynchronous=self.config.load_async,
+                asynchronous=self.config.load_async and not claim.blend,
+                blend=claim.blend,
             )
             self._loads.append(load)
             self.totals.claimed_exact_tokens += load.exact_tokens
-            self.totals.claimed_pi_tokens += load.pi_tokens
-            if load.pi_tokens:
-                approximate_from = max(claim.start, claim.plan.prefix_end)
+            if claim.blend:
+                self.totals.claimed_pi_tokens += claim.pi_tokens
+                self.totals.blend_claimed_tokens += end - claim.start
+                approximate_from = claim.approximate_from
+            else:
+                self.totals.claimed_pi_tokens += load.pi_tokens
+                if load.pi_tokens:
+                    approximate_from = max(claim.start, claim.plan.prefix_end)
         prompt = tuple(request.prompt_token_ids or ())
         tracked = self._tracked.get(req_id)
         if tracked is None:
@@ -272,6 +395,7 @@ class SchedulerSide:
         for req_id in req_ids:
             self._tracked.pop(req_id, None)
             self._claims.pop(req_id, None)
+            self._salted.pop(req_id, None)
 
     def take_counters(self) -> dict[str, int]:
         """The scheduler counters (SCHEDULER_COUNTERS) gained since the last call."""

@@ -28,12 +28,32 @@ import re
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
+from nopecache.client.adapters.selective import run_selective
+from nopecache.client.adapters.vllm_blend import blend_layout
+from nopecache.client.adapters.vllm_blend_loop import (
+    BlendUnavailableError,
+    PagedLayerKV,
+    VllmStack,
+    find_model,
+)
 from nopecache.client.adapters.vllm_config import ConnectorConfig, ModelIdentity
-from nopecache.client.adapters.vllm_layout import KVLayout, UnsupportedLayoutError, detect_layout
-from nopecache.client.adapters.vllm_meta import LoadSpec, SaveSpec, StepPlan, StepReport
+from nopecache.client.adapters.vllm_layout import (
+    CpuAttnLayout,
+    KVLayout,
+    UnsupportedLayoutError,
+    detect_layout,
+)
+from nopecache.client.adapters.vllm_meta import (
+    LoadSpec,
+    SaveSpec,
+    StepPlan,
+    StepReport,
+    slots_for,
+)
 from nopecache.client.errors import NopecacheError
 from nopecache.client.sync_client import CacheClient
 
@@ -74,6 +94,8 @@ class WorkerSide:
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nopecache-load")
         self._step_start: float | None = None
         self._load_seconds = 0.0
+        self.blend_stack: VllmStack | None = None
+        self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
 
     # -- set-up -----------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
@@ -105,6 +127,32 @@ class WorkerSide:
         self.layout = layouts[0]
         self.caches = tuple(cache for _, cache in ordered)
         return self.layout
+
+    def bind_model(self, attention_layers: Mapping[str, Any]) -> None:
+        """Find the served model for blend mode's loop; on failure say why (prefix mode)."""
+        if not self.config.blend or self.blend_unavailable is not None:
+            return
+        try:
+            if not isinstance(self.layout, CpuAttnLayout):
+                raise BlendUnavailableError(
+                    f"KV layout {getattr(self.layout, 'name', None)}: blend mode runs on "
+                    "the CPU attention backend only"
+                )
+            stack = VllmStack(find_model(attention_layers))
+            if stack.num_layers != self.model.num_layers:
+                raise BlendUnavailableError(
+                    f"the model found has {stack.num_layers} layers, the caches "
+                    f"{self.model.num_layers}"
+                )
+            self.blend_stack = stack
+        except BlendUnavailableError as err:
+            self.refuse_blend(str(err))
+
+    def refuse_blend(self, reason: str) -> None:
+        """Run without the layer loop: blend claims load their exact part only."""
+        self.blend_unavailable = reason
+        self.blend_stack = None
+        log.warning("nopecache: blend mode unavailable in this worker (%s)", reason)
 
     # -- per step ---------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -159,6 +207,9 @@ class WorkerSide:
             self._fail(spec, claimed)
             return
         assert result.k is not None and result.v is not None
+        if spec.blend:
+            self._blend_one(spec, result)
+            return
         mask = result.mask[spec.start : spec.end]
         placed = int(mask.sum())
         if placed != len(claimed):
@@ -183,6 +234,49 @@ class WorkerSide:
             self._report.loaded_exact_tokens += spec.exact_tokens
             self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
             self._report.loaded_bytes += result.nbytes
+
+    def _blend_one(self, spec: LoadSpec, result: Any) -> None:
+        """Place the loaded hits of ``[start, end)``, then run the layer loop over it."""
+        assert self.layout is not None and result.k is not None and result.v is not None
+        loaded = result.mask
+        layout = blend_layout(spec.plan, spec.start, spec.end, loaded)
+        bs = self.model.block_size
+        slots = torch.tensor(slots_for(list(spec.block_ids), bs, 0, spec.end), dtype=torch.int64)
+        rows = torch.nonzero(layout.reused_mask()[spec.start :]).flatten() + spec.start
+        for layer, cache in enumerate(self.caches):
+            self.layout.write(cache, slots[rows], result.k[layer, rows], result.v[layer, rows])
+        computed_from = layout.prefix_end  # what vLLM recomputes if the loop cannot run
+        if self.blend_stack is None:
+            self._blend_failed(spec, computed_from, self.blend_unavailable or "no model")
+            return
+        ids = torch.tensor(spec.tokens[: spec.end], dtype=torch.int64)
+        kv = PagedLayerKV(self.layout, self.caches, slots)
+        try:
+            run = run_selective(
+                self.blend_stack, kv, ids, layout, self.config.policy(), output=False
+            )
+        except Exception as err:  # never wrong KV: vLLM recomputes past the exact part
+            log.exception("nopecache: blend loop for %s failed", spec.req_id)
+            self._blend_failed(spec, computed_from, f"{type(err).__name__}: {err}")
+            return
+        with self._lock:
+            report = self._report
+            report.loaded_exact_tokens += layout.prefix_end - spec.start
+            report.loaded_pi_tokens += layout.num_pi
+            report.loaded_bytes += result.nbytes
+            report.blend_miss_tokens += spec.end - layout.prefix_end - layout.num_pi
+            report.pi_token_layers += layout.num_pi * self.model.num_layers
+            report.recomputed_token_layers += int(run.recomputed.sum())
+
+    def _blend_failed(self, spec: LoadSpec, start: int, reason: str) -> None:
+        log.warning(
+            "nopecache: blend of %s fell back to the exact prefix (%s)", spec.req_id, reason
+        )
+        if start < spec.end:
+            self._fail(spec, range(start, spec.end))
+        with self._lock:
+            self._report.loaded_exact_tokens += start - spec.start
+            self._report.blend_fallbacks += 1
 
     def save(self, plan: StepPlan) -> None:
         """Copy every save's blocks out of the cache and queue their store."""

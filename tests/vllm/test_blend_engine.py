@@ -1,0 +1,209 @@
+"""Blend mode in real vLLM engines: reuse at another position, inside vLLM's own forward.
+
+One scenario, in order, fp32, one real nopecache server (engines start once, ~30 s each):
+
+  1. engine ALL (blend, every reused token recomputed, no prefix caching) answers a
+     report placed before the assistant's system prompt while the server is empty:
+     nothing is claimed, the answer and its logprobs are vLLM's own (the baseline).
+  2. engine A (blend, the default policy, vLLM's prefix caching on) answers a chat with
+     the system prompt at position 0 and stores it.
+  3. ALL answers the report prompt again: the connector claims everything up to the
+     system prompt's end (the report as misses, the system prompt position-independent),
+     the layer loop recomputes every token, and the logprobs equal the baseline's
+     within fp32 rounding (the loop is vLLM's arithmetic).
+  4. A answers the report prompt with its default policy: the same claim, the system
+     prompt's tokens reused position-independently (a share recomputed), an answer.
+  5. vLLM's prefix cache and blending together: A's next report prompt gets no local
+     prefix-cache hit on the blended blocks (they hold KV vLLM did not compute), while a
+     chat sharing the stored system prompt still hits the exact blocks locally.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_proc import EngineFactory
+from redis_procs import free_ports
+from server_procs import CacheServerProc
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 128  # vLLM's CPU block size
+IM_START = 1  # SmolLM2's <|im_start|>: every chat message starts with it
+LAYERS = 30
+SYSTEM = (
+    "You are Pip, the customer assistant of Northern Lines, a regional rail company. "
+    "Answer in one or two short sentences. Facts you may use: the day pass costs 14 euros "
+    "and is valid until 4 am the next morning; bikes travel free outside the rush hours "
+    "of 7 to 9 am and 4 to 6 pm; the night train to Tromso leaves at 22:40 from platform "
+    "3; lost property is kept for 30 days at the central station office, open 8 am to 8 "
+    "pm; refunds for delays over 60 minutes are 50 percent of the fare, claimed online "
+    "within 14 days; dogs travel for half the child fare; the quiet carriage is always "
+    "coach C; seat reservations close 15 minutes before departure. "
+) * 2
+REPORT = " ".join(
+    f"Incident {i}: on line {i % 7 + 1} the {['morning', 'noon', 'evening'][i % 3]} train "
+    f"from {['Bodo', 'Narvik', 'Alta', 'Harstad'][i % 4]} ran {5 + 3 * i} minutes late "
+    f"because of {['snow', 'a signal fault', 'a crew change', 'track works'][i % 4]}."
+    for i in range(24)
+)
+# Long enough that the stored chat's whole blocks cover the system prompt.
+QUESTION = (
+    "I am travelling next week with my partner, our two children, our dog and two bikes, "
+    "first on the morning train and back late in the evening: what will the trip cost us "
+    "and what should we watch out for?"
+)
+LOGPROB_TOL = 2e-3  # fp32: the loop's attention is not vLLM's kernel; a wrong row costs > 0.1
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    proc = CacheServerProc(Path(tmp_path_factory.mktemp("server")), free_ports(1)[0])
+    proc.start()
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def state() -> dict[str, Any]:
+    """What the ordered tests hand each other."""
+    return {}
+
+
+def _connector(server: CacheServerProc, **extra: Any) -> dict[str, Any]:
+    return {
+        "url": f"nopecache://{server.address}",
+        "pi_reuse": "blend",
+        "segment_token_ids": [IM_START],
+        **extra,
+    }
+
+
+def _metrics(engine: Any) -> dict[str, float]:
+    return {k.removeprefix("vllm:nopecache_"): v for k, v in engine.metrics().items()}
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _report_prompt(engine: Any, question: str) -> list[int]:
+    return list(
+        engine.chat(
+            [
+                {"role": "user", "content": f"Here is this week's delay report. {REPORT}"},
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": question},
+            ]
+        )
+    )
+
+
+def _system_span(prompt: list[int]) -> tuple[int, int]:
+    """Positions of the system prompt's message (the third message of a report prompt)."""
+    starts = [i for i, t in enumerate(prompt) if t == IM_START]
+    return starts[2], starts[3]
+
+
+def _wait_stored(engine: Any, tokens: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _metrics(engine).get("saved_tokens", 0.0) < tokens:
+        assert time.monotonic() < deadline, "the store did not land"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the client's queue hands the store to the server in the background
+
+
+def _run(engine: Any, prompt: list[int]) -> dict[str, Any]:
+    return engine.generate_many([prompt], max_tokens=8, logprobs=5)[0]
+
+
+def test_uncached_report_is_the_baseline(
+    engines: EngineFactory, server: CacheServerProc, state: dict[str, Any]
+) -> None:
+    every = engines(
+        dtype="float32",
+        connector=_connector(server, recompute_policy="first_k", recompute_budget=1.0, save=False),
+    )
+    prompt = _report_prompt(every, "Which fact of yours helps a passenger of line 3 most?")
+    sys_start, sys_end = _system_span(prompt)
+    assert sys_start > 600 and sys_end - sys_start > 2 * BLOCK
+    base = _run(every, prompt)
+    assert base["cached"] == 0 and base["ids"]
+    state.update(every=every, prompt=prompt, base=base, span=(sys_start, sys_end))
+
+
+def test_chat_with_system_prompt_first_is_stored(
+    engines: EngineFactory, server: CacheServerProc, state: dict[str, Any]
+) -> None:
+    a = engines(dtype="float32", prefix_caching=True, connector=_connector(server))
+    chat = list(
+        a.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    )
+    system_end = [i for i, t in enumerate(chat) if t == IM_START][1]
+    assert len(chat) // BLOCK * BLOCK >= system_end  # whole blocks hold the system prompt
+    out = a.generate(chat, max_tokens=4)
+    assert out["cached"] == 0
+    _wait_stored(a, len(chat) // BLOCK * BLOCK)
+    state.update(a=a, chat=chat)
+
+
+def test_all_recompute_blend_equals_vllms_own_logits(state: dict[str, Any]) -> None:
+    every, prompt, base = state["every"], state["prompt"], state["base"]
+    sys_start, sys_end = state["span"]
+    before = _metrics(every)
+    out = _run(every, prompt)
+    after = _metrics(every)
+    claim = sys_end - sys_end % BLOCK
+    assert out["cached"] == claim
+    assert _delta(after, before, "blend_claimed_tokens") == claim
+    reused = _delta(after, before, "loaded_pi_tokens")
+    assert reused == claim - sys_start  # the system prompt's tokens inside the claim
+    assert _delta(after, before, "blend_miss_tokens") == sys_start
+    assert _delta(after, before, "pi_token_layers") == reused * LAYERS
+    assert _delta(after, before, "recomputed_token_layers") == reused * LAYERS
+    assert _delta(after, before, "blend_fallbacks") == 0
+    assert out["ids"] == base["ids"]
+    worst = 0.0
+    for mine, ref in zip(out["logprobs"], base["logprobs"], strict=True):
+        assert mine.keys() == ref.keys()
+        worst = max(worst, *(abs(mine[t] - ref[t]) for t in ref))
+    assert worst <= LOGPROB_TOL, f"logprobs differ by {worst}"
+
+
+def test_report_before_system_prompt_reuses_it(state: dict[str, Any]) -> None:
+    a, prompt = state["a"], state["prompt"]
+    sys_start, sys_end = state["span"]
+    before = _metrics(a)
+    out = a.generate(prompt, max_tokens=24)
+    after = _metrics(a)
+    claim = sys_end - sys_end % BLOCK
+    assert out["cached"] == claim
+    reused = _delta(after, before, "loaded_pi_tokens")
+    assert reused == claim - sys_start
+    assert _delta(after, before, "claimed_pi_tokens") == reused
+    layers = _delta(after, before, "pi_token_layers")
+    assert layers == reused * LAYERS
+    share = _delta(after, before, "recomputed_token_layers") / layers
+    assert 0.10 <= share <= 0.20  # the default policy: 15% of the reused token-layers
+    assert out["ids"], "no answer"
+
+
+def test_prefix_cache_never_serves_blended_blocks(state: dict[str, Any]) -> None:
+    a, chat = state["a"], state["chat"]
+    before = a.metrics()
+    again = _report_prompt(a, "Which line was the latest?")
+    out = a.generate(again, max_tokens=4)
+    after = a.metrics()
+    assert _delta(after, before, "vllm:prefix_cache_hits") == 0  # blended blocks: not exact
+    assert out["cached"] > 0  # the connector claims them again, from the server
+    same_system = list(
+        a.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Bikes?"}])
+    )
+    before = a.metrics()
+    a.generate(same_system, max_tokens=4)
+    after = a.metrics()
+    shared = min(len(chat), len(same_system)) // BLOCK * BLOCK
+    assert _delta(after, before, "vllm:prefix_cache_hits") >= shared - BLOCK
