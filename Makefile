@@ -14,7 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.nopecache-installed
 # The SmolLM2 folder vLLM loads, converted once by the main environment.
 VLLM_MODEL = $$($(BIN)/python -m nopecache.client.adapters.local_model)
 
-.PHONY: all venv vllm demo test test-vllm lint typecheck bench bench-vllm proto redis-server lock clean gpu-check
+.PHONY: all venv vllm demo demo-hf test test-vllm lint typecheck bench bench-vllm proto redis-server lock clean gpu-check
 
 all: test
 
@@ -78,7 +78,12 @@ test: venv redis-server lint typecheck
 test-vllm: vllm redis-server
 	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python -m pytest tests/vllm
 
-demo: venv
+# The demo on vLLM: one nopecache server, two vLLM engines (examples/demo_vllm.py).
+demo: vllm
+	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python examples/demo_vllm.py
+
+# The same scenario on transformers, with the research adapter (examples/demo.py).
+demo-hf: venv
 	$(BIN)/python examples/demo.py
 
 bench: venv redis-server

@@ -46,7 +46,6 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,18 +216,19 @@ def run_shape(shape: Shape, engines: Engines, ids: Any, address: str, rounds: in
 
 
 def _start_all(configs: dict[str, EngineConfig], work: Path) -> dict[str, EngineProc]:
-    """Start the engines side by side (each start is ~30 s, mostly one core's work)."""
+    """Start the engines side by side (each start is ~30 s, much of it waiting on disk)."""
     procs = {name: EngineProc(cfg, work / f"{name}.log") for name, cfg in configs.items()}
-    with ThreadPoolExecutor(len(procs)) as pool:
-        futures = {name: pool.submit(proc.start) for name, proc in procs.items()}
-        errors = [f.exception() for f in futures.values()]
-    failed = [e for e in errors if e is not None]
-    if failed:
+    try:
+        for proc in procs.values():
+            proc.launch()
+        for proc in procs.values():
+            proc.wait_ready()
+            # First requests allocate: keep them out of the numbers.
+            proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
+    except BaseException:
         for proc in procs.values():
             proc.stop()
-        raise failed[0]
-    for proc in procs.values():  # first requests allocate: keep them out of the numbers
-        proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
+        raise
     return procs
 
 

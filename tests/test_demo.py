@@ -116,3 +116,37 @@ def test_demo_interrupted_stops_the_server() -> None:
     assert f"server stopped (pid {server_pid}" in stdout
     assert not _alive(server_pid)
     assert not _alive(engine_pid)
+
+
+DEMO_VLLM = ROOT / "examples" / "demo_vllm.py"
+
+
+def _vllm_demo(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEMO_VLLM), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_vllm_demo_without_a_model_says_how_to_get_one(tmp_path: Path) -> None:
+    # The vLLM demo itself runs in tests/vllm (it needs vLLM); its argument checks come
+    # before anything starts, so they run here.
+    env = {k: v for k, v in os.environ.items() if k != "NOPECACHE_VLLM_MODEL"}
+    out = _vllm_demo([], env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "must name the converted SmolLM2 folder; `make demo` sets it up" in out.stderr
+    out = _vllm_demo(["--model", str(tmp_path)], env)  # a folder without config.json
+    assert out.returncode == 2
+    assert "--model (or $NOPECACHE_VLLM_MODEL)" in out.stderr
+    assert "starting the nopecache server" not in out.stdout
+
+
+def test_vllm_demo_rejects_a_bad_answer_length(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    out = _vllm_demo(["--model", str(tmp_path), "--max-new-tokens", "0"], dict(os.environ))
+    assert out.returncode == 2
+    assert "--max-new-tokens: must be >= 1, got 0" in out.stderr

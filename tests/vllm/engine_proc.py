@@ -85,6 +85,10 @@ class EngineProc:
 
     def start(self) -> EngineProc:
         """Start the child and wait until its engine is built (raises EngineError)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> EngineProc:
+        """Start the child without waiting (several engines then build side by side)."""
         read_fd, write_fd = os.pipe()
         env = {**os.environ, **ENGINE_ENV, **self.config.env, "NOPECACHE_ENGINE_FD": str(write_fd)}
         log = self.log_path.open("wb")
@@ -99,6 +103,10 @@ class EngineProc:
         os.close(write_fd)
         log.close()
         self._answers = os.fdopen(read_fd, "r")
+        return self
+
+    def wait_ready(self) -> EngineProc:
+        """Wait until a launched child's engine is built (raises EngineError)."""
         try:
             self._read(_START_TIMEOUT_S)
         except EngineError as err:
@@ -173,14 +181,19 @@ class EngineProc:
         except OSError:
             return ""
 
-    def stop(self) -> None:
-        """Ask the engine to quit; kill it if it does not."""
+    @property
+    def pid(self) -> int | None:
+        """The child's pid (None before launch and after stop)."""
+        return None if self.proc is None else self.proc.pid
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask the engine to quit (its stdin closes); kill it if it does not in time."""
         if self.proc is None:
             return
         try:
             if self.proc.poll() is None and self.proc.stdin is not None:
                 self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=timeout_s)
         except (subprocess.TimeoutExpired, OSError):
             self.proc.kill()
             self.proc.wait()
