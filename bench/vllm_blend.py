@@ -56,7 +56,7 @@ sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests"), str(ROOT / "e
 from _blend_shapes import SHAPES, Message, Shape  # noqa: E402
 from _demo_scenario import chat_prompt  # noqa: E402
 from _vllm_measure import kl_top1  # noqa: E402
-from engine_proc import EngineConfig, EngineProc  # noqa: E402
+from engine_proc import EngineConfig, EngineProc, stop_all  # noqa: E402
 from redis_procs import free_ports  # noqa: E402
 from server_procs import CacheServerProc, wait_stored  # noqa: E402
 
@@ -226,8 +226,7 @@ def _start_all(configs: dict[str, EngineConfig], work: Path) -> dict[str, Engine
             # First requests allocate: keep them out of the numbers.
             proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
     except BaseException:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(list(procs.values()))
         raise
     return procs
 
@@ -352,8 +351,7 @@ def main() -> None:
             )
             results.append(result)
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(list(procs.values()))
         server.stop()
     print_table(results, args.pi_reuse)
     fields = " ".join(f"{k}={v:.4f}" for k, v in summary(results).items())

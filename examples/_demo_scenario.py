@@ -152,9 +152,14 @@ def chat_prompt(
 
 
 def scenario_prompt(
-    tokenizer: PreTrainedTokenizerBase, role: int, quick: bool = False, system: str = SYSTEM_PROMPT
+    tokenizer: PreTrainedTokenizerBase,
+    role: int,
+    quick: bool = False,
+    system: str = SYSTEM_PROMPT,
+    question: str = QUESTION_2,
 ) -> ChatPrompt:
-    """Engine 1's chat (``role`` 1: system prompt first) or engine 2's (report first)."""
+    """Engine 1's chat (``role`` 1: system prompt first) or engine 2's (report first,
+    then ``question``)."""
     if role not in (1, 2):
         raise ValueError(f"role: must be 1 or 2, got {role!r}")
     system_message = ("system prompt", "system", system)
@@ -164,5 +169,5 @@ def scenario_prompt(
     report = "Here is the trip report I uploaded:\n\n" + "\n\n".join(paragraphs)
     return chat_prompt(
         tokenizer,
-        [("uploaded report", "user", report), system_message, ("question", "user", QUESTION_2)],
+        [("uploaded report", "user", report), system_message, ("question", "user", question)],
     )

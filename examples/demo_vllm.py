@@ -48,12 +48,14 @@ sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
 
 from _demo_scenario import LONG_SYSTEM_PROMPT, ChatPrompt, scenario_prompt  # noqa: E402
 from _demo_server import DemoError, embedded_server  # noqa: E402
-from engine_proc import EngineConfig, EngineError, EngineProc  # noqa: E402
+from engine_proc import EngineConfig, EngineError, EngineProc, stop_all  # noqa: E402
 from server_procs import wait_stored  # noqa: E402
 
 from nopecache.client.adapters.recompute import DEFAULT_BUDGET, DEFAULT_POLICY_NAME  # noqa: E402
 
 IM_START = 1  # SmolLM2's <|im_start|>: each chat message is a segment
+# The transformers demo's second question, put so that SmolLM2-135M finds the form.
+QUESTION_2 = "My suitcase was lost on the train. Which form do I use to report it?"
 _COUNTERS = ("loaded_exact_tokens", "loaded_pi_tokens", "blend_miss_tokens")
 _LAYER_COUNTERS = ("pi_token_layers", "recomputed_token_layers", "blend_fallbacks")
 
@@ -122,10 +124,11 @@ def engines(
         interrupted = True
         raise
     finally:
-        for proc in procs:
-            if interrupted and proc.proc is not None and proc.proc.poll() is None:
-                proc.proc.terminate()
-            proc.stop(timeout_s=10 if interrupted else 30)
+        if interrupted:
+            for proc in procs:
+                if proc.proc is not None and proc.proc.poll() is None:
+                    proc.proc.terminate()
+        stop_all(procs, timeout_s=10 if interrupted else 30)
 
 
 def _say(engine: int, line: str) -> None:
@@ -146,7 +149,9 @@ def play(
 ) -> tuple[dict[str, Any], int]:
     """Run the scenario against a fresh server; the DEMO fields and engine 2's reuse."""
     prompt_1 = scenario_prompt(tokenizer, 1, system=LONG_SYSTEM_PROMPT)
-    prompt_2 = scenario_prompt(tokenizer, 2, args.quick, system=LONG_SYSTEM_PROMPT)
+    prompt_2 = scenario_prompt(
+        tokenizer, 2, args.quick, system=LONG_SYSTEM_PROMPT, question=QUESTION_2
+    )
     print("starting the nopecache server (CPU tier)", flush=True)
     with embedded_server(workdir) as (address, server_pid):
         print(f"server pid {server_pid} listening on {address}", flush=True)
