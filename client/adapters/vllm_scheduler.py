@@ -200,7 +200,9 @@ class SchedulerSide:
         limit = (len(prompt) - 1) // bs * bs if prompt else 0
         if limit <= num_computed_tokens:
             return 0
-        tokens = prompt[:limit]
+        # Blend mode looks up the whole prompt: a hit that crosses the claim's limit (a
+        # moved message ending near the prompt's end) is then found, and used up to it.
+        tokens = prompt if self.config.blend else prompt[:limit]
         contiguous = self.config.pi_reuse == "contiguous"
         self.totals.lookups += 1
         try:
