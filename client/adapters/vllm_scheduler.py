@@ -9,12 +9,17 @@ hold (cut at vLLM's block size, so keys match vLLM's blocks one to one), extende
 right after it. It is aligned down to a block boundary and never reaches the prompt's
 last token (vLLM must compute at least one token to sample from). A lookup that fails
 (server down, slow, bad reply) claims 0 tokens: the request runs as if uncached.
+With ``pi_reuse="blend"`` the whole prompt is looked up and the claim reaches the end of
+the last hit anywhere in it, misses included (``vllm_blend.py``), when the cost model
+says it pays; the worker then runs the layer loop over the range.
 
 Saves. When a request's prompt has been prefilled, its whole blocks are stored from
 position 0 (the client skips blocks the servers already hold). KV that came from a
 position-independent hit is approximate, and so is every later token's KV (it attended
 to it): such a request stores only the blocks before its first position-independent
-token, so the exact cache never holds approximate KV.
+token (blend: before the first position the layer loop computes), so the exact cache
+never holds approximate KV; a blend claim also salts vLLM's block hashes from there on
+(``_salt_block_hashes``), so vLLM's own prefix cache never serves those blocks either.
 
 Concurrency: every method runs on vLLM's scheduler thread; the client is thread-safe.
 """

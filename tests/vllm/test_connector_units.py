@@ -129,7 +129,7 @@ def test_blend_mode_is_supported_for_smollm2_on_cpu(model_dir: str) -> None:
 
 def test_blend_mode_refuses_what_the_loop_cannot_run(model_dir: str) -> None:
     config: Any = _vllm_config(model_dir, dtype="float32")
-    config.model_config.hf_config.architectures = ["GPT2LMHeadModel"]
+    config.model_config.model_arch_config.architectures = ["GPT2LMHeadModel"]
     reason = blend_unsupported_reason(config)
     assert reason is not None and "['GPT2LMHeadModel'] is not one the layer loop runs" in reason
     config = _vllm_config(model_dir, dtype="float32")
@@ -149,7 +149,7 @@ def test_an_unsupported_engine_starts_in_prefix_mode_saying_why(
         kv_connector_extra_config={"url": URL, "pi_reuse": "blend"},
     )
     config: Any = _vllm_config(model_dir, dtype="float32", kv_transfer_config=transfer)
-    config.model_config.hf_config.architectures = ["GPT2LMHeadModel"]
+    config.model_config.model_arch_config.architectures = ["GPT2LMHeadModel"]
     with caplog.at_level(logging.WARNING):
         scheduler = NopecacheConnector(config, KVConnectorRole.SCHEDULER)
         worker = NopecacheConnector(config, KVConnectorRole.WORKER)
