@@ -178,11 +178,10 @@ def test_worker_finds_the_served_model_by_its_attention_layers() -> None:
             self.model = torch.nn.Module()
             self.model.layers = torch.nn.ModuleList([Layer(), Layer()])
 
-    served, other = Model(), Model()
-    layers = {
-        f"model.layers.{i}.self_attn.attn": served.model.layers[i].self_attn.attn for i in (0, 1)
-    }
+    served, other = Model(), Model()  # the other model's layers are not the registered ones
+    names = [f"model.layers.{i}.self_attn.attn" for i in (0, 1)]
+    layers = {name: served.get_submodule(name) for name in names}
     assert find_model(layers) is served
-    assert other is not served
+    assert find_model({name: other.get_submodule(name) for name in names}) is other
     with pytest.raises(BlendUnavailableError, match="0 module trees"):
         find_model({"model.layers.0.self_attn.attn": Attn()})
