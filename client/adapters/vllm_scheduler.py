@@ -247,6 +247,7 @@ class SchedulerSide:
             fraction,
             prefill_tokens_per_s=self._prefill_rate(),
             fetch_s=self._fetch_s(layout.num_pi),
+            loop_tokens_per_s=self._loop_rate(),
         ):
             return prefix
         # The loop's rows match vLLM's own to rounding, not bit for bit: from its first
@@ -273,6 +274,13 @@ class SchedulerSide:
         if report.computed_tokens and report.forward_seconds > 0:
             return report.computed_tokens / report.forward_seconds
         return _DEFAULT_PREFILL_TOKENS_PER_S
+
+    def _loop_rate(self) -> float | None:
+        """The layer loop's rate in whole tokens (all layers) per second, once measured."""
+        report = self.totals.report
+        if report.blend_token_layers and report.blend_seconds > 0:
+            return report.blend_token_layers / self.model.num_layers / report.blend_seconds
+        return None
 
     def _fetch_s(self, tokens: int) -> float:
         """Seconds to fetch ``tokens`` tokens of KV at the client's observed rate (0 before
