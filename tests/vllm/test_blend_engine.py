@@ -56,7 +56,7 @@ QUESTION = (
     "first on the morning train and back late in the evening: what will the trip cost us "
     "and what should we watch out for?"
 )
-LOGPROB_TOL = 2e-3  # fp32: the loop's attention is not vLLM's kernel; a wrong row costs > 0.1
+LOGPROB_TOL = 2e-4  # fp32 rounding over 30 layers (measured 3e-5); a wrong row costs > 0.1
 
 
 @pytest.fixture(scope="module")
