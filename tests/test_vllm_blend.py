@@ -72,16 +72,19 @@ def test_blend_layout_marks_exact_reused_and_missing_positions() -> None:
     assert failed.prefix_end == 5 and failed.chunks == (ChunkSpan(22, 28),)
 
 
-def test_blend_pays_when_the_saved_recompute_outweighs_the_fetch() -> None:
-    layout = blend_layout(_plan(40, 0, [(8, 28)]), 0, 28)
+def test_blend_pays_when_the_loop_and_fetch_cost_less_than_vllms_prefill() -> None:
+    layout = blend_layout(_plan(40, 0, [(8, 28)]), 0, 28)  # 8 misses, then 20 reused
     assert layout.num_pi == 20
-    rate = 100.0  # tokens/s: 20 reused tokens, 85% not recomputed, save 0.17 s
+    rate = 100.0  # tokens/s: vLLM prefills the 28 in 0.28 s; the loop computes 8 + 3 tokens
     assert blend_pays(layout, 0.15, prefill_tokens_per_s=rate, fetch_s=0.1)
     assert not blend_pays(layout, 0.15, prefill_tokens_per_s=rate, fetch_s=0.2)
-    assert blend_pays(layout, 1.0, prefill_tokens_per_s=rate, fetch_s=10.0)  # the check mode
+    # A loop measured at half vLLM's rate costs 0.22 s: a 0.1 s fetch no longer pays.
     assert not blend_pays(
-        blend_layout(_plan(40, 8, []), 0, 8), 0.15, prefill_tokens_per_s=rate, fetch_s=0
+        layout, 0.15, prefill_tokens_per_s=rate, fetch_s=0.1, loop_tokens_per_s=rate / 2
     )
+    assert blend_pays(layout, 1.0, prefill_tokens_per_s=rate, fetch_s=10.0)  # the check mode
+    no_pi = blend_layout(_plan(40, 8, []), 0, 8)
+    assert not blend_pays(no_pi, 0.15, prefill_tokens_per_s=rate, fetch_s=0)
 
 
 def test_blend_settings_and_their_defaults() -> None:

@@ -85,22 +85,25 @@ def blend_pays(
     *,
     prefill_tokens_per_s: float,
     fetch_s: float,
+    loop_tokens_per_s: float | None = None,
 ) -> bool:
     """True when a blend claim beats the prefix claim of the same prompt.
 
     Past the exact prefix, the prefix claim leaves vLLM to prefill every position of the
-    range; the blend claim computes the misses and the policy's share of the reused
-    tokens in the layer loop (counted at vLLM's own prefill rate) and fetches the hits.
-    It pays when the reused tokens it does not recompute save more than the fetch
-    costs. ``recompute_fraction`` 1 (every reused token recomputed) saves nothing and
-    is still claimed: it is the setting that checks the loop against vLLM's forward.
+    range (at ``prefill_tokens_per_s``); the blend claim fetches the hits (``fetch_s``) and
+    computes the misses and the policy's share of the reused tokens in the layer loop,
+    at ``loop_tokens_per_s`` (the loop's measured rate; vLLM's own before any
+    measurement). ``recompute_fraction`` 1 (every reused token recomputed) saves nothing
+    and is still claimed: it is the setting that checks the loop against vLLM's forward.
     """
     if not layout.num_pi:
         return False
     if recompute_fraction >= 1.0:
         return True
-    saved_s = layout.num_pi * (1.0 - recompute_fraction) / prefill_tokens_per_s
-    return saved_s > fetch_s
+    span = layout.num_tokens - layout.prefix_end
+    loop_tokens = span - layout.num_pi * (1.0 - recompute_fraction)
+    loop_rate = loop_tokens_per_s or prefill_tokens_per_s
+    return fetch_s + loop_tokens / loop_rate < span / prefill_tokens_per_s
 
 
 def blend_unsupported_reason(vllm_config: Any) -> str | None:

@@ -47,7 +47,8 @@ def find_model(attention_layers: Mapping[str, nn.Module]) -> nn.Module:
     first = attention_layers[names[0]]
     found: list[nn.Module] = []
     for obj in gc.get_objects():
-        if not isinstance(obj, nn.Module) or obj is first:
+        # type(), not isinstance(): a proxy object's __class__ may warn or raise.
+        if not issubclass(type(obj), nn.Module) or obj is first:
             continue
         try:
             if all(obj.get_submodule(n) is attention_layers[n] for n in names):

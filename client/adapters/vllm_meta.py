@@ -90,6 +90,8 @@ class StepReport:
     pi_token_layers: int = 0  # reused position-independent tokens x layers (blend loads)
     recomputed_token_layers: int = 0  # of those, recomputed by the blend loop
     blend_fallbacks: int = 0  # blend loads that failed: vLLM recomputed from the first hit
+    blend_seconds: float = 0.0  # time in the layer loop (fetches excluded)
+    blend_token_layers: int = 0  # token-layers the loop computed (misses included)
     failed_requests: list[str] = field(default_factory=list)
 
     def add(self, other: StepReport) -> StepReport:

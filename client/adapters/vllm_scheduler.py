@@ -9,12 +9,17 @@ hold (cut at vLLM's block size, so keys match vLLM's blocks one to one), extende
 right after it. It is aligned down to a block boundary and never reaches the prompt's
 last token (vLLM must compute at least one token to sample from). A lookup that fails
 (server down, slow, bad reply) claims 0 tokens: the request runs as if uncached.
+With ``pi_reuse="blend"`` the whole prompt is looked up and the claim reaches the end of
+the last hit anywhere in it, misses included (``vllm_blend.py``), when the cost model
+says it pays; the worker then runs the layer loop over the range.
 
 Saves. When a request's prompt has been prefilled, its whole blocks are stored from
 position 0 (the client skips blocks the servers already hold). KV that came from a
 position-independent hit is approximate, and so is every later token's KV (it attended
 to it): such a request stores only the blocks before its first position-independent
-token, so the exact cache never holds approximate KV.
+token (blend: before the first position the layer loop computes), so the exact cache
+never holds approximate KV; a blend claim also salts vLLM's block hashes from there on
+(``_salt_block_hashes``), so vLLM's own prefix cache never serves those blocks either.
 
 Concurrency: every method runs on vLLM's scheduler thread; the client is thread-safe.
 """
@@ -200,7 +205,9 @@ class SchedulerSide:
         limit = (len(prompt) - 1) // bs * bs if prompt else 0
         if limit <= num_computed_tokens:
             return 0
-        tokens = prompt[:limit]
+        # Blend mode looks up the whole prompt: a hit that crosses the claim's limit (a
+        # moved message ending near the prompt's end) is then found, and used up to it.
+        tokens = prompt if self.config.blend else prompt[:limit]
         contiguous = self.config.pi_reuse == "contiguous"
         self.totals.lookups += 1
         try:
@@ -240,6 +247,7 @@ class SchedulerSide:
             fraction,
             prefill_tokens_per_s=self._prefill_rate(),
             fetch_s=self._fetch_s(layout.num_pi),
+            loop_tokens_per_s=self._loop_rate(),
         ):
             return prefix
         # The loop's rows match vLLM's own to rounding, not bit for bit: from its first
@@ -266,6 +274,13 @@ class SchedulerSide:
         if report.computed_tokens and report.forward_seconds > 0:
             return report.computed_tokens / report.forward_seconds
         return _DEFAULT_PREFILL_TOKENS_PER_S
+
+    def _loop_rate(self) -> float | None:
+        """The layer loop's rate in whole tokens (all layers) per second, once measured."""
+        report = self.totals.report
+        if report.blend_token_layers and report.blend_seconds > 0:
+            return report.blend_token_layers / self.model.num_layers / report.blend_seconds
+        return None
 
     def _fetch_s(self, tokens: int) -> float:
         """Seconds to fetch ``tokens`` tokens of KV at the client's observed rate (0 before

@@ -251,6 +251,7 @@ class WorkerSide:
             return
         ids = torch.tensor(spec.tokens[: spec.end], dtype=torch.int64)
         kv = PagedLayerKV(self.layout, self.caches, slots)
+        started = time.perf_counter()
         try:
             run = run_selective(
                 self.blend_stack, kv, ids, layout, self.config.policy(), output=False
@@ -267,6 +268,8 @@ class WorkerSide:
             report.blend_miss_tokens += spec.end - layout.prefix_end - layout.num_pi
             report.pi_token_layers += layout.num_pi * self.model.num_layers
             report.recomputed_token_layers += int(run.recomputed.sum())
+            report.blend_seconds += time.perf_counter() - started
+            report.blend_token_layers += int(run.computed.sum())
 
     def _blend_failed(self, spec: LoadSpec, start: int, reason: str) -> None:
         log.warning(

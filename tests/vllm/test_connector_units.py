@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import pytest
 import torch
 from vllm.config import KVTransferConfig
@@ -9,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 
 from nopecache.client.adapters.vllm import NopecacheConnector, _verify_cpu_layout
+from nopecache.client.adapters.vllm_blend import blend_unsupported_reason
+from nopecache.client.adapters.vllm_blend_loop import BlendUnavailableError, find_model
 from nopecache.client.adapters.vllm_config import (
     ConnectorConfigError,
     UnsupportedEngineError,
@@ -116,3 +121,67 @@ def test_worker_connector_refuses_an_unknown_layout(model_dir: str) -> None:
 def test_quantized_kv_is_refused(model_dir: str) -> None:
     with pytest.raises(UnsupportedEngineError, match="kv_cache_dtype='fp8'"):
         model_identity(_vllm_config(model_dir, dtype="bfloat16", kv_cache_dtype="fp8"))
+
+
+def test_blend_mode_is_supported_for_smollm2_on_cpu(model_dir: str) -> None:
+    assert blend_unsupported_reason(_vllm_config(model_dir, dtype="float32")) is None
+
+
+def test_blend_mode_refuses_what_the_loop_cannot_run(model_dir: str) -> None:
+    config: Any = _vllm_config(model_dir, dtype="float32")
+    config.model_config.model_arch_config.architectures = ["GPT2LMHeadModel"]
+    reason = blend_unsupported_reason(config)
+    assert reason is not None and "['GPT2LMHeadModel'] is not one the layer loop runs" in reason
+    config = _vllm_config(model_dir, dtype="float32")
+    config.model_config.hf_text_config.sliding_window = 256
+    config.model_config.hf_text_config.use_sliding_window = True
+    reason = blend_unsupported_reason(config)
+    assert reason is not None and "sliding-window attention (sliding_window=256)" in reason
+
+
+def test_an_unsupported_engine_starts_in_prefix_mode_saying_why(
+    model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    transfer = KVTransferConfig(
+        kv_connector="NopecacheConnector",
+        kv_connector_module_path="nopecache.client.adapters.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"url": URL, "pi_reuse": "blend"},
+    )
+    config: Any = _vllm_config(model_dir, dtype="float32", kv_transfer_config=transfer)
+    config.model_config.model_arch_config.architectures = ["GPT2LMHeadModel"]
+    with caplog.at_level(logging.WARNING):
+        scheduler = NopecacheConnector(config, KVConnectorRole.SCHEDULER)
+        worker = NopecacheConnector(config, KVConnectorRole.WORKER)
+    try:
+        assert "pi_reuse='blend' unsupported here (model architecture" in caplog.text
+        assert scheduler._scheduler is not None and not scheduler._scheduler.blend
+        assert worker._worker is not None and worker._worker.blend_unavailable is not None
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_worker_finds_the_served_model_by_its_attention_layers() -> None:
+    class Attn(torch.nn.Module):
+        pass
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = torch.nn.Module()
+            self.self_attn.attn = Attn()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+    served, other = Model(), Model()  # the other model's layers are not the registered ones
+    names = [f"model.layers.{i}.self_attn.attn" for i in (0, 1)]
+    layers = {name: served.get_submodule(name) for name in names}
+    assert find_model(layers) is served
+    assert find_model({name: other.get_submodule(name) for name in names}) is other
+    with pytest.raises(BlendUnavailableError, match="0 module trees"):
+        find_model({"model.layers.0.self_attn.attn": Attn()})
