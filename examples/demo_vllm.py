@@ -66,7 +66,8 @@ class Run:
 
     ttft_s: float
     answer: str
-    counters: dict[str, float]
+    counters: dict[str, float]  # the first request's
+    claimed: tuple[int, ...]  # tokens each request took from the cache, the answer's last
 
 
 def _counters(engine: EngineProc) -> dict[str, float]:
@@ -77,17 +78,15 @@ def _counters(engine: EngineProc) -> dict[str, float]:
 def answer_prompt(engine: EngineProc, prompt: ChatPrompt, runs: int, new_tokens: int) -> Run:
     """TTFT (``max_tokens=1``, median of ``runs``), then the greedy answer."""
     before = _counters(engine)
-    first = engine.generate(list(prompt.tokens), max_tokens=1)
+    outs = [engine.generate(list(prompt.tokens), max_tokens=1)]
     after = _counters(engine)
-    times = [first["seconds"]]
-    times += [
-        engine.generate(list(prompt.tokens), max_tokens=1)["seconds"] for _ in range(runs - 1)
-    ]
-    out = engine.generate(list(prompt.tokens), max_tokens=new_tokens)
+    outs += [engine.generate(list(prompt.tokens), max_tokens=1) for _ in range(runs - 1)]
+    answer = engine.generate(list(prompt.tokens), max_tokens=new_tokens)
     return Run(
-        statistics.median(times),
-        str(out["text"]).strip(),
+        statistics.median(out["seconds"] for out in outs),
+        str(answer["text"]).strip(),
         {k: after[k] - before[k] for k in after},
+        tuple(int(out["cached"]) for out in [*outs, answer]),
     )
 
 
@@ -203,6 +202,11 @@ def summary(
     )
     print(f"  computed in the blend loop:    {misses:5d} tokens  (misses inside the claim)")
     print(f"  computed by vLLM after it:     {vllm_computed:5d} tokens")
+    if len(set(warm.claimed)) > 1:
+        print(
+            f"  tokens claimed per request:    {', '.join(map(str, warm.claimed[:-1]))} "
+            f"(timed), {warm.claimed[-1]} (answer): the cost model declined some"
+        )
     if c["blend_fallbacks"]:
         print(f"  blend fell back to prefix claims {c['blend_fallbacks']:.0f} times (see the log)")
     speedup = cold.ttft_s / warm.ttft_s
