@@ -7,8 +7,8 @@ one JSON line on a private pipe (vLLM's own logs go to a log file). Commands:
     {"op": "chat", "messages": [...]}            -> {"ids": [...]}  (chat template applied)
     {"op": "generate", "prompts": [[ids]], "max_tokens": n, "prompt_logprobs": k | null,
      "logprobs": k | null, "skip_reading_prefix_cache": bool | null}
-        -> {"outputs": [{"ids", "text", "cached", "prompt_logprobs", "logprobs"}],
-            "seconds": s}
+        -> {"outputs": [{"ids", "text", "cached", "ttft", "prompt_logprobs", "logprobs"}],
+            "seconds": s}   (ttft: vLLM's own time to first token of the request, seconds)
     {"op": "metrics"}                            -> {"vllm:...": value}  (counters summed)
 
 CPU settings every engine shares (so every run does the same arithmetic): one OpenMP
@@ -286,6 +286,7 @@ def _serve(llm: Any, command: dict[str, Any]) -> Any:
                 {
                     "ids": list(o.outputs[0].token_ids),
                     "text": o.outputs[0].text,
+                    "ttft": getattr(o.metrics, "first_token_latency", None),
                     "cached": o.num_cached_tokens,
                     "prompt_logprobs": _logprobs(o.prompt_logprobs, o.num_cached_tokens),
                     "logprobs": _logprobs(o.outputs[0].logprobs),
