@@ -7,10 +7,8 @@ Wire rules (see proto/cache.proto):
 * Blocks travel in frames of at most ``max_frame_data_bytes``; a frame with a key starts a
   block, frames without one continue it.
 * The two block-carrying messages, PutFrame (in) and GetFrame (out), bypass the protobuf
-  runtime: upb builds a fresh encode buffer per message and grows it by doubling, which
-  costs milliseconds per MiB, several times the transport itself. They are encoded and
-  decoded here (standard protobuf wire format, checked against the generated classes by
-  tests) with one copy out and zero copies in. Everything else uses the generated code.
+  runtime: their codecs are the wire contract's (proto/frames.py), shared with the
+  client. Everything else uses the generated code.
 
 Put semantics (what a client may rely on):
 
@@ -48,7 +46,6 @@ are passed to the server by ``main.start_server``.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -66,7 +63,9 @@ from nopecache.cache_server.tenants import QuotaLedger, Tenant, current_tenant, 
 from nopecache.cache_server.tiers import redact_url
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import KEY_BYTES, BlockError, validate
-from nopecache.proto.wire import WireError, encode_varint, read_varint
+from nopecache.proto.contract import API_VERSION, SERVICE_NAME
+from nopecache.proto.frames import WireError, decode_put_frame, encode_get_frame
+from nopecache.proto.shm_layout import host_id
 
 __all__ = [
     "API_VERSION",
@@ -75,17 +74,10 @@ __all__ = [
     "KVCacheService",
     "MalformedRequest",
     "RequestContext",
-    "WireError",
     "add_to_server",
-    "decode_put_frame",
-    "encode_get_frame",
-    "encode_varint",
-    "host_id",
     "server_version",
 ]
 
-API_VERSION = 1
-SERVICE_NAME = "nopecache.v1.KVCache"
 # Keys fetched from the store per step of a Get stream: up to GET_WINDOW_KEYS (to batch a
 # Redis round trip for small blocks), fewer once blocks turn out large, so that one stream
 # holds about GET_WINDOW_BYTES of blocks at a time (and a block is framed while its bytes
@@ -140,97 +132,6 @@ def server_version() -> str:
         return metadata.version("nopecache")
     except metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-def host_id() -> str:
-    """Hostname plus kernel boot id: equal only for processes that can share /dev/shm."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
-
-
-# -- wire codec of the block frames ----------------------------------------------------------
-def encode_get_frame(
-    index: int,
-    tier: int,
-    total_size: int,
-    data: bytes | memoryview,
-    tier_names: Sequence[bytes],
-    shm: tuple[int, int] | None = None,
-) -> bytes:
-    """A GetFrame in protobuf wire format (fields in number order, zero values omitted,
-    byte-identical to ``GetFrame.SerializeToString``) with ``data`` copied once.
-
-    ``shm`` is (shm_offset, shm_length) of a block written into the call's shared-memory
-    window (shm.py); such a frame has no data.
-    """
-    head = bytearray()
-    if index:
-        head += b"\x08" + encode_varint(index)
-    if tier:
-        head += b"\x10" + encode_varint(tier)
-    if total_size:
-        head += b"\x18" + encode_varint(total_size)
-    n = len(data)
-    if n:
-        head += b"\x22" + encode_varint(n)
-    tail = b"".join(b"\x2a" + encode_varint(len(name)) + name for name in tier_names)
-    if shm is not None:
-        offset, length = shm
-        if offset:
-            tail += b"\x40" + encode_varint(offset)
-        if length:
-            tail += b"\x48" + encode_varint(length)
-    if not tail:
-        return b"".join((head, data))
-    return b"".join((head, data, tail))
-
-
-def decode_put_frame(raw: bytes) -> tuple[bytes, int, memoryview]:
-    """(key, total_size, data) of a PutFrame in wire format; ``data`` is a view of ``raw``.
-
-    Follows protobuf parsing rules: the last occurrence of a field wins, unknown fields
-    (including the reserved 8-15) are skipped. Raises WireError for malformed input.
-    """
-    view = memoryview(raw)
-    key, total_size, data = b"", 0, view[0:0]
-    pos, end = 0, len(raw)
-    while pos < end:
-        tag, pos = read_varint(raw, pos, "PutFrame")
-        field, wire = tag >> 3, tag & 7
-        name = {1: "PutFrame.key", 2: "PutFrame.total_size", 3: "PutFrame.data"}.get(
-            field, f"PutFrame field {field}"
-        )
-        if field == 0:
-            raise WireError("PutFrame: field number 0 is invalid")
-        if wire == 0:
-            value, pos = read_varint(raw, pos, name)
-            if field == 2:
-                total_size = value
-            elif field in (1, 3):
-                raise WireError(f"{name}: expected length-delimited bytes, got a varint")
-        elif wire == 2:
-            length, pos = read_varint(raw, pos, name)
-            stop = pos + length
-            if stop > end:
-                raise WireError(f"{name}: length {length} runs past the end of the message")
-            if field == 1:
-                key = raw[pos:stop]
-            elif field == 3:
-                data = view[pos:stop]
-            elif field == 2:
-                raise WireError(f"{name}: expected a varint, got length-delimited bytes")
-            pos = stop
-        elif wire in (1, 5) and field > 3:
-            pos += 8 if wire == 1 else 4
-        else:
-            raise WireError(f"{name}: unsupported wire type {wire}")
-    if pos != end:
-        raise WireError("PutFrame: the last field runs past the end of the message")
-    return key, total_size, data
 
 
 # -- request handling ------------------------------------------------------------------------

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nopecache.proto.contract import KEY_BYTES
+
 __all__ = [
     "ANONYMOUS",
     "CURRENT_TENANT",
@@ -55,7 +57,6 @@ __all__ = [
     "namespaced_keys",
 ]
 
-KEY_BYTES = 16
 NAMESPACE_BYTES = 8
 _PERSON = b"nopecache-tenant"
 # Letters, digits and ._- (a Prometheus label value and a log token without quoting).

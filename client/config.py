@@ -55,6 +55,8 @@ import grpc
 from nopecache.client.chunking import ContentChunker
 from nopecache.client.cost import CostConfig
 from nopecache.client.errors import InvalidArgumentError
+from nopecache.proto.contract import DEFAULT_PORT, METHODS, SERVICE_NAME
+from nopecache.proto.sizes import SizeError, parse_size
 
 __all__ = [
     "DEFAULT_CHUNKER",
@@ -76,12 +78,9 @@ __all__ = [
     "split_server",
 ]
 
-# The server's default gRPC port (cache_server/config.py DEFAULT_PORT; a test checks they
-# agree, since the client may not import the server).
-DEFAULT_PORT = 50551
 ENV_URL = "NOPECACHE_CLIENT_URL"
-SERVICE = "nopecache.v1.KVCache"
-METHODS = ("Lookup", "Get", "Put", "Delete", "Stats", "AttachShm", "DetachShm")
+# The service's name, methods and default port come from the wire contract (proto/).
+SERVICE = SERVICE_NAME
 SCHEME = "nopecache"
 TLS_SCHEME = "nopecaches"
 # The server's max_message_bytes defaults to 4 MiB and its max_block_bytes to 64 MiB. The
@@ -563,17 +562,6 @@ class ClientConfig:
 
 # -- URL parameters -------------------------------------------------------------------
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-}
-_SIZE_RE = re.compile(r"^([0-9]+)\s*([A-Za-z]*)$")
 _DURATION_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)?$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -588,11 +576,11 @@ def _parse_duration(name: str, raw: str) -> float:
 
 
 def _parse_size(name: str, raw: str) -> int:
-    match = _SIZE_RE.match(raw.strip())
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise InvalidArgumentError(name, f"expected a byte size such as 64MiB: {raw!r}")
-    return int(match.group(1)) * _UNITS[unit]
+    # The one parser the server uses too (proto/sizes.py): 64Mi, 1.5GiB and 1TB alike.
+    try:
+        return parse_size(raw, field=name)
+    except SizeError as e:
+        raise InvalidArgumentError(name, str(e).removeprefix(f"{name}: ")) from e
 
 
 def _parse_bool(name: str, raw: str) -> bool:
