@@ -222,8 +222,9 @@ class AsyncCacheClient:
         await asyncio.gather(*(c.close() for c in gone))
 
     def stats(self) -> ClientStats:
-        """The client's counters (hits by kind, dropped hits, bytes, failures)."""
-        return self.metrics.snapshot()
+        """The client's counters (hits by kind, dropped hits, bytes, failures) and the cost
+        model's estimates and last decision per server (``cost``)."""
+        return replace(self.metrics.snapshot(), cost=self.cost.snapshot())
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Report that the engine prefilled ``tokens`` in ``seconds`` (for the cost model)."""

@@ -688,6 +688,9 @@ URL_PARAMS: dict[str, _Param] = {
     "cost_safety_factor": _Param("safety_factor", _parse_float, "cost"),
     "cost_min_samples": _Param("min_samples", _parse_int, "cost"),
     "cost_ewma_alpha": _Param("ewma_alpha", _parse_float, "cost"),
+    "cost_window": _Param("window", _parse_int, "cost"),
+    "cost_max_age": _Param("max_age_s", _parse_duration, "cost"),
+    "cost_probe_share": _Param("probe_share", _parse_float, "cost"),
 }
 
 

@@ -425,6 +425,38 @@ def test_cost_model_drops_hits_slower_to_fetch_than_to_recompute(
     assert stats.dropped_hits == len(second.dropped)
 
 
+def test_a_server_slow_then_fast_gets_its_hits_back(servers: list[CacheServerProc]) -> None:
+    tokens = prompt(64, seed=21)
+    k, v = kv(64, seed=21)
+    # Recomputing a 16-token block costs 160 ms; a loopback fetch of its 4 KiB takes
+    # milliseconds. But the model starts out believing the server moves 100 bytes/s.
+    window, share = 4, 0.25
+    cost = CostConfig(min_samples=2, window=window, probe_share=share, prefill_tokens_per_s=100.0)
+    with client(config(servers[:1], "cost-relearn", cost=cost)) as c:
+        c.store(tokens, (k, v), position_independent=False)
+        server = servers[0].address
+        for _ in range(window):
+            c.core.cost.observe_fetch(server, 1000, 10.0)
+        lookups = 0
+        while True:
+            lookups += 1
+            plan = c.lookup(tokens, allow_position_independent=False)
+            if not plan.dropped:
+                break
+            assert lookups < window / share, "the server never got its hits back"
+            c.fetch(plan, tokens)  # the probe's fetch is the model's new sample
+        stats = c.stats()
+    assert plan.prefix_end == 64
+    # Each probe is the 4th drop; the 4 probes' samples replaced the 4 slow ones.
+    assert lookups == 14
+    assert stats.cost is not None
+    seen = stats.cost.servers[server]
+    assert seen.probes == window and seen.samples == window
+    assert seen.last_decision is not None and seen.last_decision.reason == "cheaper_to_fetch"
+    assert seen.bandwidth_bytes_per_s is not None and seen.bandwidth_bytes_per_s > 1e5
+    assert (stats.cost.prefill_source, stats.cost.prefill_tokens_per_s) == ("config", 100.0)
+
+
 async def _async_round_trip(cfg: ClientConfig) -> None:
     tokens = prompt(50, seed=18)
     k, v = kv(50, seed=18)

@@ -288,6 +288,9 @@ def _everything_changed() -> ClientConfig:
             safety_factor=2.0,
             min_samples=7,
             ewma_alpha=0.5,
+            window=9,
+            max_age_s=30.0,
+            probe_share=0.25,
         ),
         namespace="tenant/α&b=c",
         discover="dns",
@@ -371,6 +374,9 @@ BAD_VALUES = {
     "cost_safety_factor": "0",
     "cost_min_samples": "0",
     "cost_ewma_alpha": "1.5",
+    "cost_window": "0",
+    "cost_max_age": "-1s",
+    "cost_probe_share": "2",
 }
 
 
