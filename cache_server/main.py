@@ -124,6 +124,8 @@ class RunningServer:
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.service.bulk is not None:
+            await self.service.bulk.close()
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -229,6 +231,8 @@ async def start_server(
         target = f"{config.host}:{config.port}"
         if credentials is None:
             port = server.add_insecure_port(target)
+            # Plaintext: Get payloads may also take the bulk byte stream (bulk.py).
+            service.offer_bulk(config.host)
         else:
             port = server.add_secure_port(target, credentials)
         if config.metrics:

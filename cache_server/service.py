@@ -55,6 +55,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from nopecache.cache_server.bulk import TICKET_TTL_S, BulkServer
 from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.shm import ShmRequestError, ShmSessions, ShmTarget
@@ -216,6 +217,8 @@ class KVCacheService:
         self.quotas = quotas if quotas is not None else QuotaLedger()
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
+        # The bulk byte stream (bulk.py), offered by plaintext servers (offer_bulk).
+        self.bulk: BulkServer | None = None
         self._tier_names = [t.name for t in store.tiers]
         self._encoded_names = [n.encode() for n in self._tier_names]
         # Code 0 is a miss; tier i answers i + 1 (index into the reply's tier_names).
@@ -578,6 +581,31 @@ class KVCacheService:
         assert isinstance(request, pb.DetachShmRequest)
         return pb.DetachShmReply(detached=self.shm.detach(tenant.name, request.session))
 
+    def offer_bulk(self, host: str) -> BulkServer:
+        """Serve Gets over a bulk byte stream too, bound on ``host`` (plaintext servers)."""
+        self.bulk = BulkServer(
+            self._store,
+            self._metrics,
+            host=host,
+            max_keys=self._config.max_keys_per_request,
+            codes=self._codes,
+        )
+        return self.bulk
+
+    async def OpenBulk(
+        self, request: pb.OpenBulkRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenBulkReply:
+        """A one-use ticket for a bulk byte-stream connection of the caller's tenant."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+        except _Rejected as r:
+            await self._abort(context, "OpenBulk", r)
+        if self.bulk is None:
+            return pb.OpenBulkReply(refused="this server offers no bulk stream (TLS or off)")
+        port, ticket = await self.bulk.ticket(tenant)
+        return pb.OpenBulkReply(port=port, ticket=ticket, ticket_ttl_ms=int(TICKET_TTL_S * 1000))
+
     async def Delete(
         self, request: pb.DeleteRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteReply:
@@ -661,6 +689,11 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
             service.DetachShm,
             request_deserializer=_lenient_parser(pb.DetachShmRequest),
             response_serializer=pb.DetachShmReply.SerializeToString,
+        ),
+        "OpenBulk": grpc.unary_unary_rpc_method_handler(
+            service.OpenBulk,
+            request_deserializer=_lenient_parser(pb.OpenBulkRequest),
+            response_serializer=pb.OpenBulkReply.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

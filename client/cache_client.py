@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from nopecache.client.bulk import BulkSource
 from nopecache.client.chunking import (
     Chunker,
     ContentChunker,
@@ -78,6 +79,7 @@ from nopecache.client.validation import (
     check_model,
     check_positions,
 )
+from nopecache.client.warmup import warm_client
 from nopecache.kernels import RopeSpec
 from nopecache.kernels.api import Positions
 from nopecache.proto.block import StoredForm
@@ -158,6 +160,8 @@ class AsyncCacheClient:
         if fast_path is None and config.shm != "off":
             fast_path = self.shm = ShmFastPath(config.shm)
         self._fast_path = fast_path
+        # The bulk byte stream carries Get payloads when the server offers it (plaintext).
+        self._data_path = BulkSource if config.bulk == "auto" and not config.use_tls else None
         self._connections = {s: self._connect(s) for s in config.servers}
         self._placer = BlockPlacer(fingerprint, self.pi_fingerprint, rope, v_head_dim, self.metrics)
         # One worker: placements run one at a time (torch parallelises each op itself).
@@ -188,6 +192,7 @@ class AsyncCacheClient:
             cost=self.cost,
             fast_path=self._fast_path,
             pool=self._pool,
+            data_path=self._data_path,
         )
 
     def connection(self, server: str) -> ServerConnection:
@@ -225,6 +230,17 @@ class AsyncCacheClient:
         """The client's counters (hits by kind, dropped hits, bytes, failures) and the cost
         model's estimates and last decision per server (``cost``)."""
         return replace(self.metrics.snapshot(), cost=self.cost.snapshot())
+
+    async def warm(self) -> None:
+        """Connect to every server, prepare its fast path, pre-fault receive buffers and
+        run the placement path once (client/warmup.py); a down server stays down."""
+        self._in_loop()
+        if self._discovery is not None:
+            await self._discovery.start()
+        block_bytes = self.prefix_chunker.size * self._bytes_per_token
+        await warm_client(
+            list(self._connections.values()), self._pool, block_bytes, self._placer, self._on_worker
+        )
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Report that the engine prefilled ``tokens`` in ``seconds`` (for the cost model)."""
@@ -462,7 +478,7 @@ class AsyncCacheClient:
         await asyncio.to_thread(self._worker.shutdown, True)
 
     async def __aenter__(self) -> AsyncCacheClient:
-        self._in_loop()
+        await self.warm()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -69,6 +69,7 @@ __all__ = [
     "METHODS",
     "SERVICE",
     "URL_PARAMS",
+    "BulkMode",
     "ClientConfig",
     "DiscoverMode",
     "DnsFamily",
@@ -109,6 +110,7 @@ DEFAULT_CHUNKER = ContentChunker(
 _MAX_BLOCK_TOKENS = 1 << 20
 
 ShmMode = Literal["auto", "on", "off"]
+BulkMode = Literal["auto", "off"]
 _SHM_MODES: tuple[str, ...] = ("auto", "on", "off")
 DiscoverMode = Literal["off", "dns"]
 """``off``: each server entry is one server; ``dns``: each is a name for all it resolves to."""
@@ -325,6 +327,9 @@ class ClientConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     # Same-host shared-memory payloads: "auto" when the server reports our host id.
     shm: ShmMode = "auto"
+    # Get payloads over the server's bulk byte stream when it offers one (plaintext servers;
+    # "off": always the gRPC stream). See client/bulk.py.
+    bulk: BulkMode = "auto"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Blocks waiting in the non-blocking store queue; a store beyond it is dropped (counted).
     store_queue_blocks: int = 256
@@ -396,6 +401,8 @@ class ClientConfig:
             )
         if self.shm not in _SHM_MODES:
             raise InvalidArgumentError("shm", f"must be one of {_SHM_MODES}, got {self.shm!r}")
+        if self.bulk not in ("auto", "off"):
+            raise InvalidArgumentError("bulk", f"must be 'auto' or 'off', got {self.bulk!r}")
         _int_in("max_message_bytes", self.max_message_bytes, _MIN_MESSAGE_BYTES, _GRPC_MAX_MESSAGE)
         _int_in("store_queue_blocks", self.store_queue_blocks, 1, 1 << 20)
         if not isinstance(self.cost, CostConfig):
@@ -459,6 +466,7 @@ class ClientConfig:
             "Delete": self.control_timeout_s,
             "AttachShm": self.control_timeout_s,
             "DetachShm": self.control_timeout_s,
+            "OpenBulk": self.control_timeout_s,
             "Stats": self.control_timeout_s,
         }
 
@@ -656,6 +664,7 @@ URL_PARAMS: dict[str, _Param] = {
     "control_timeout": _Param("control_timeout_s", _parse_duration),
     "connect_timeout": _Param("connect_timeout_s", _parse_duration),
     "shm": _Param("shm", _parse_text),
+    "bulk": _Param("bulk", _parse_text),
     "max_message_bytes": _Param("max_message_bytes", _parse_size),
     "store_queue_blocks": _Param("store_queue_blocks", _parse_int),
     "down_backoff": _Param("down_backoff_s", _parse_duration),

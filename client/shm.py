@@ -522,7 +522,7 @@ class ShmSource:
             start += count
         if start < n:
             rest = keys[start * KEY_BYTES :]
-            blocks = self._conn.grpc_blocks(rest, _remaining(deadline))
+            blocks = self._conn.data_blocks(rest, _remaining(deadline))
             try:
                 async for index, blob in blocks:
                     if blob is not None:

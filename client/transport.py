@@ -216,11 +216,14 @@ class ServerConnection:
         cost: CostModel | None = None,
         fast_path: FastPathFactory | None = None,
         pool: BufferPool | None = None,
+        data_path: Callable[[ServerConnection], BlockSource] | None = None,
     ) -> None:
         """A connection to ``address`` (``host:port``); nothing is opened until first use.
 
         ``pool`` supplies the reassembly buffers of multi-frame blocks (a private one if
         None); give a view back to it once done with a block to have its memory reused.
+        ``data_path`` makes the source of blocks that take no fast path (the bulk byte
+        stream, client/bulk.py); None: the gRPC stream.
         """
         self.address = address
         self.pool = BufferPool() if pool is None else pool
@@ -231,6 +234,7 @@ class ServerConnection:
         self._channel: grpc.aio.Channel | None = None
         self._info: ServerInfo | None = None
         self._source: BlockSource | None = None
+        self._data: BlockSource | None = data_path(self) if data_path is not None else None
         self.health = ServerHealth(address, config.down_backoff_s, metrics)
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.token}"),) if config.token else ()
@@ -288,14 +292,33 @@ class ServerConnection:
     def _succeeded(self) -> None:
         self.health.succeeded()
 
+    @property
+    def data_blocks(self) -> BlockSource:
+        """The source of blocks that take no fast path: bulk stream if any, else gRPC."""
+        return self._data if self._data is not None else self.grpc_blocks
+
     async def warm(self) -> bool:
-        """Open the channel, learn the server's info and prepare its fast path now, so the
-        first fetch does not pay for them; whether the server answered."""
+        """Open the channel, learn the server's info and prepare its block sources now (shm
+        session, bulk socket), so the first fetch does not pay for them; whether the
+        server answered."""
+        # A failed warm-up is counted and logged, but leaves the server as it was: the
+        # first real call probes it (a slow start must not cost the next second's hits).
+        before = self.health.down_until
         info = await self.ensure_info()
-        warm = getattr(self._source, "warm", None)
-        if info is not None and warm is not None:
-            await warm()
-        return info is not None
+        if info is None:
+            self.health.down_until = before
+            return False
+        sources = [self._source, self._data] if self._data is not self._source else [self._data]
+        try:
+            for source in sources:
+                warm = getattr(source, "warm", None)
+                if warm is not None:
+                    await warm()
+        except _FAILURES as e:
+            self._failed("warm-up", e)
+            self.health.down_until = before
+            return False
+        return True
 
     async def ensure_info(self) -> ServerInfo | None:
         """The server's info, asking with Stats the first time; None while it is down (every
@@ -314,7 +337,7 @@ class ServerConnection:
         if self._info is None:  # another coroutine may have asked meanwhile: keep one
             self._info = info
             source = self._fast_path(self, info) if self._fast_path is not None else None
-            self._source = source if source is not None else self.grpc_blocks
+            self._source = source if source is not None else self.data_blocks
         self._succeeded()
         return self._info
 
@@ -553,7 +576,10 @@ class ServerConnection:
         return reply
 
     async def close(self) -> None:
-        """Close the channel (in-flight calls are cancelled)."""
+        """Close the channel (in-flight calls are cancelled) and the data source's sockets."""
+        close = getattr(self._data, "close", None)
+        if close is not None:
+            close()
         if self._channel is not None:
             await self._channel.close(None)
             self._channel = None

@@ -278,6 +278,7 @@ def _everything_changed() -> ClientConfig:
             throttle_token_ratio=0.5,
         ),
         shm="on",
+        bulk="off",
         max_message_bytes=16 * 1024**2,
         store_queue_blocks=8,
         down_backoff_s=0.0,
@@ -344,6 +345,7 @@ BAD_VALUES = {
     "control_timeout": "",
     "connect_timeout": "1h",
     "shm": "sometimes",
+    "bulk": "always",
     "max_message_bytes": "1KiB",
     "store_queue_blocks": "many",
     "down_backoff": "-5ms",
@@ -548,6 +550,7 @@ def test_service_config_json() -> None:
         "Delete": 2.0,
         "AttachShm": 2.0,
         "DetachShm": 2.0,
+        "OpenBulk": 2.0,
         "Stats": 2.0,
     }
     assert cfg.service_config_json() == RetryPolicy().service_config_json()

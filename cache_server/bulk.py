@@ -1,0 +1,209 @@
+"""The bulk byte stream: Get payloads over a plain TCP connection (layout in proto/bulk.py).
+
+Why: a Python gRPC stream moves MiB-sized frames at a fraction of what a plain socket
+moves (every frame is a fresh bytes object copied through gRPC's core, and per-message
+work runs in Python). Here a block goes from the tier's bytes to the kernel with
+``sock_sendall`` of a memoryview (no copy in this process), and the client receives it
+with ``recv_into`` straight into a pooled buffer.
+
+Control stays on gRPC: ``OpenBulk`` (authenticated like every call, so it knows the
+tenant) issues a one-use ticket valid for ``TICKET_TTL_S``; the connection presents it
+first and serves that tenant's keys from then on, one GET at a time, with the same
+checks as the gRPC Get (key count; sizes are the tier's own). Only plaintext servers
+offer it (with TLS the bytes would leave the encrypted channel); the listener binds the
+gRPC host on an ephemeral port, starts on the first OpenBulk and holds at most
+``MAX_CONNECTIONS`` connections.
+
+Concurrency: everything runs on the server's event loop (sockets non-blocking, loop
+``sock_*`` calls); the ticket table and connection set change only between awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable
+
+from nopecache.cache_server.metrics import ServerMetrics
+from nopecache.cache_server.store import TieredStore
+from nopecache.cache_server.tenants import Tenant, namespaced_keys
+from nopecache.proto.bulk import COUNT, ENTRY, ERROR_CODE, MAGIC, TICKET_BYTES
+from nopecache.proto.contract import KEY_BYTES
+
+__all__ = ["MAX_CONNECTIONS", "TICKET_TTL_S", "BulkServer"]
+
+log = logging.getLogger(__name__)
+
+TICKET_TTL_S = 30.0
+MAX_CONNECTIONS = 256
+_HELLO_TIMEOUT_S = 10.0
+# Keys read from the store per step (as the gRPC Get does): batches a Redis round trip.
+_STEP_KEYS = 8
+
+
+class BulkServer:
+    """The bulk listener of one server (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        metrics: ServerMetrics,
+        *,
+        host: str,
+        max_keys: int,
+        codes: dict[str | None, int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """A listener (not started) serving ``store`` on ``host``."""
+        self._store = store
+        self._metrics = metrics
+        self._host = host
+        self._max_keys = max_keys
+        self._codes = codes
+        self._clock = clock
+        self._tickets: dict[bytes, tuple[Tenant, float]] = {}
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def ticket(self, tenant: Tenant) -> tuple[int, bytes]:
+        """(port, ticket) for one connection of ``tenant``; starts the listener if needed."""
+        if self._listener is None:
+            self._start()
+        now = self._clock()
+        for old in [t for t, (_, until) in self._tickets.items() if until <= now]:
+            del self._tickets[old]
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        self._tickets[ticket] = (tenant, now + TICKET_TTL_S)
+        return self.port, ticket
+
+    def _start(self) -> None:
+        family = socket.AF_INET6 if ":" in self._host.strip("[]") else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self._host.strip("[]"), 0))
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(listener))
+        log.info("bulk byte stream listening on %s:%d", self._host, self.port)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            if len(self._connections) >= MAX_CONNECTIONS:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._serve(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    def _redeem(self, ticket: bytes) -> Tenant | None:
+        found = None
+        for known in self._tickets:
+            if hmac.compare_digest(known, ticket):
+                found = known
+        if found is None:
+            return None
+        tenant, until = self._tickets.pop(found)
+        return tenant if until > self._clock() else None
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            hello = await asyncio.wait_for(
+                _recv_exact(loop, conn, len(MAGIC) + TICKET_BYTES), _HELLO_TIMEOUT_S
+            )
+            tenant = self._redeem(hello[len(MAGIC) :]) if hello[: len(MAGIC)] == MAGIC else None
+            if tenant is None:
+                self._metrics.rejected("Bulk", "bad_ticket")
+                return
+            await loop.sock_sendall(conn, MAGIC)
+            while True:
+                head = await _recv_exact(loop, conn, COUNT.size, eof_ok=True)
+                if not head:
+                    return
+                (count,) = COUNT.unpack(head)
+                if count > self._max_keys:
+                    self._metrics.rejected("Bulk", "too_many_keys")
+                    await _send_error(
+                        loop,
+                        conn,
+                        f"GET key count: {count} keys exceeds max_keys_per_request "
+                        f"{self._max_keys}",
+                    )
+                    return
+                packed = await _recv_exact(loop, conn, count * KEY_BYTES)
+                await self._get(loop, conn, tenant, packed)
+        except (OSError, TimeoutError, EOFError) as e:
+            log.debug("bulk connection ended: %s", e)
+        finally:
+            conn.close()
+
+    async def _get(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, tenant: Tenant, packed: bytes
+    ) -> None:
+        """Answer one GET: an ENTRY and the bytes of each key, in order."""
+        keys = (
+            namespaced_keys(tenant.namespace, packed)
+            if tenant.namespace
+            else [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+        )
+        sent = 0
+        with self._metrics.latency["Get"].time():
+            for start in range(0, len(keys), _STEP_KEYS):
+                found = await self._store.get_many(keys[start : start + _STEP_KEYS])
+                for item in found:
+                    if item is None:
+                        await loop.sock_sendall(conn, ENTRY.pack(0, 0))
+                        continue
+                    blob, tier = item
+                    await loop.sock_sendall(conn, ENTRY.pack(self._codes[tier], len(blob)))
+                    await loop.sock_sendall(conn, memoryview(blob))
+                    sent += len(blob)
+        self._metrics.get_bytes(sent)
+        self._metrics.tenant_get_bytes(tenant.name, sent)
+
+    async def close(self) -> None:
+        """Stop listening and end every connection."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+async def _recv_exact(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int, *, eof_ok: bool = False
+) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(conn, view[got:])
+        if not k:
+            if eof_ok and not got:
+                return b""
+            raise EOFError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+async def _send_error(loop: asyncio.AbstractEventLoop, conn: socket.socket, message: str) -> None:
+    data = message.encode()
+    await loop.sock_sendall(conn, ENTRY.pack(ERROR_CODE, len(data)) + data)
