@@ -82,6 +82,7 @@ from nopecache.client.validation import (
 from nopecache.client.warmup import warm_client
 from nopecache.kernels import RopeSpec
 from nopecache.kernels.api import Positions
+from nopecache.proto.allocator import tune_malloc_once
 from nopecache.proto.block import StoredForm
 
 __all__ = [
@@ -136,6 +137,9 @@ class AsyncCacheClient:
             raise InvalidArgumentError("resolver", "is only used with discover='dns'")
         if isinstance(prefix_block_tokens, bool) or not isinstance(prefix_block_tokens, int):
             raise InvalidArgumentError("prefix_block_tokens", "must be an int")
+        # The server's glibc allocator setting, for this process too (proto/allocator.py):
+        # freed block-sized buffers stay for reuse instead of page-faulting in anew.
+        tune_malloc_once()
         self.config = config
         self.fingerprint = fingerprint
         self.rope = rope
