@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 TICKET_TTL_S = 30.0
 MAX_CONNECTIONS = 256
 _HELLO_TIMEOUT_S = 10.0
-# Keys read from the store per step (as the gRPC Get does): batches a Redis round trip.
-_STEP_KEYS = 8
 
 
 class BulkServer:
@@ -129,6 +127,9 @@ class BulkServer:
                 self._metrics.rejected("Bulk", "bad_ticket")
                 return
             await loop.sock_sendall(conn, MAGIC)
+            # The connection's send buffer: each block is copied into it by the tier
+            # (get_into, no blob allocated per block) and sent before the next is read.
+            buffer = bytearray()
             while True:
                 head = await _recv_exact(loop, conn, COUNT.size, eof_ok=True)
                 if not head:
@@ -144,16 +145,22 @@ class BulkServer:
                     )
                     return
                 packed = await _recv_exact(loop, conn, count * KEY_BYTES)
-                await self._get(loop, conn, tenant, packed)
+                buffer = await self._get(loop, conn, tenant, packed, buffer)
         except (OSError, TimeoutError, EOFError) as e:
             log.debug("bulk connection ended: %s", e)
         finally:
             conn.close()
 
     async def _get(
-        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, tenant: Tenant, packed: bytes
-    ) -> None:
-        """Answer one GET: an ENTRY and the bytes of each key, in order."""
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        tenant: Tenant,
+        packed: bytes,
+        buffer: bytearray,
+    ) -> bytearray:
+        """Answer one GET: an ENTRY and the bytes of each key, in order; the send buffer
+        (grown to the largest block seen)."""
         keys = (
             namespaced_keys(tenant.namespace, packed)
             if tenant.namespace
@@ -161,18 +168,22 @@ class BulkServer:
         )
         sent = 0
         with self._metrics.latency["Get"].time():
-            for start in range(0, len(keys), _STEP_KEYS):
-                found = await self._store.get_many(keys[start : start + _STEP_KEYS])
-                for item in found:
-                    if item is None:
-                        await loop.sock_sendall(conn, ENTRY.pack(0, 0))
-                        continue
-                    blob, tier = item
-                    await loop.sock_sendall(conn, ENTRY.pack(self._codes[tier], len(blob)))
-                    await loop.sock_sendall(conn, memoryview(blob))
-                    sent += len(blob)
+            for key in keys:
+                found = await self._store.get_into(key, memoryview(buffer))
+                if found is not None and found[0] > len(buffer):
+                    # Grown to the largest block seen, then reused for every later one.
+                    buffer = bytearray(found[0])
+                    found = await self._store.get_into(key, memoryview(buffer))
+                if found is None:
+                    await loop.sock_sendall(conn, ENTRY.pack(0, 0))
+                    continue
+                size, tier = found
+                await loop.sock_sendall(conn, ENTRY.pack(self._codes[tier], size))
+                await loop.sock_sendall(conn, memoryview(buffer)[:size])
+                sent += size
         self._metrics.get_bytes(sent)
         self._metrics.tenant_get_bytes(tenant.name, sent)
+        return buffer
 
     async def close(self) -> None:
         """Stop listening and end every connection."""
