@@ -59,7 +59,12 @@ def cache_server(capacity: str, log: Path) -> Iterator[str]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("server did not start")
                 time.sleep(0.05)
-        yield address
+        try:
+            yield address
+        except BaseException:
+            if proc.poll() is not None:
+                print(f"the server exited ({proc.returncode}): {log.read_text()[-2000:]}")
+            raise
     finally:
         proc.kill()
         proc.wait()
