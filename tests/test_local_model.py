@@ -130,3 +130,14 @@ def test_model_forward_and_cached_reload(monkeypatch: pytest.MonkeyPatch) -> Non
     assert again.config.name_or_path == str(folder)
     with torch.no_grad():
         assert torch.equal(again(ids).logits, logits)
+
+
+def test_engine_folder_holds_model_and_tokenizer_side_by_side() -> None:
+    folder = local_model.engine_folder()
+    assert folder == converted_dir() / "engine"
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    for part in ("model", "tokenizer"):
+        for src in (converted_dir() / part).iterdir():
+            assert (folder / src.name).resolve() == src.resolve()
+    assert local_model.engine_folder() == folder  # idempotent

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -161,3 +162,32 @@ def load_model(
         folder, local_files_only=True, dtype=torch.float32
     )
     return model.eval()
+
+
+def engine_folder(cache_dir: Path | None = None, *, progress: Progress | None = None) -> Path:
+    """Return one folder with the model's and the tokenizer's files, as vLLM loads them.
+
+    Converts both once (see :func:`load_model`) and links their files side by side in
+    ``<converted>/engine/``; an engine in another environment (vLLM pins another
+    transformers) then loads this folder without converting anything itself.
+    """
+    root = converted_dir(cache_dir)
+    load_tokenizer(cache_dir, progress=progress)
+    if not (root / "model" / "model.safetensors").is_file():
+        load_model(cache_dir, progress=progress)
+
+    def link(tmp: Path) -> None:
+        for part in ("model", "tokenizer"):
+            for src in sorted((root / part).iterdir()):
+                (tmp / src.name).symlink_to(src)
+
+    return _build_once(root / "engine", link)
+
+
+def main() -> None:
+    """``python -m nopecache.client.adapters.local_model``: print the engine folder."""
+    print(engine_folder(progress=lambda line: print(line, file=sys.stderr)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Two real vLLM engines sharing KV through a nopecache server: time to first token.
+
+Run in the vLLM environment: ``.venv-vllm/bin/python bench/vllm_e2e.py`` (``make bench``
+does). One nopecache server (the embedded default, CPU tier) on loopback and three vLLM
+processes (CPU build, SmolLM2-135M, bf16, one OpenMP thread each, prefix caching off so
+every hit comes through the connector):
+
+    store   connector on: answers prompts and stores their KV
+    load    connector on, save off, ``pi_reuse="contiguous"``: the engine measured
+    ref     no connector: the no-cache reference of the quality scenario
+
+1. Exact prefix. Each round takes a new ~1.4k-token document as the system message;
+   ``load`` answers it plus a question (``max_tokens=1``: TTFT) while nothing is stored
+   (cold: the lookup misses), then ``store`` answers the document plus another question
+   and stores it, then ``load`` answers its prompt again (cached: lookup, fetch over gRPC
+   and placement included). Rounds interleave cold and cached; medians of 3.
+2. Truncated history with ``pi_reuse="contiguous"``: ``store`` answers a long chat; the
+   same chat with its oldest turns dropped is teacher-forced over the reference's 64-token
+   greedy continuation: top-1 agreement and KL (over the reference's top 20 logprobs) of
+   ``load``'s next-token distributions against ``ref``'s.
+
+Last line: ``RESULT ttft_cold_ms=... ttft_cached_ms=... ttft_speedup=... claimed_tokens=...
+stored_prefix_tokens=... pi_claimed_tokens=... pi_top1=... pi_kl=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
+
+from engine_proc import EngineConfig, EngineProc  # noqa: E402
+from redis_procs import free_ports  # noqa: E402
+from server_procs import CacheServerProc  # noqa: E402
+
+from nopecache.proto import cache_pb2, cache_pb2_grpc  # noqa: E402
+
+IM_START = 1  # SmolLM2's <|im_start|>
+ROUNDS = 3
+CONTINUATION = 64
+TOP = 20
+
+_SUBJECTS = [
+    "The day pass",
+    "The night train",
+    "Platform 3",
+    "The quiet coach",
+    "A bike ticket",
+    "The refund form",
+    "Lost property",
+    "The dog fare",
+    "Seat reservation",
+    "The Tromso line",
+]
+_VERBS = [
+    "costs",
+    "leaves at",
+    "opens at",
+    "closes at",
+    "is valid for",
+    "is checked at",
+    "is kept for",
+    "is refunded after",
+    "is announced at",
+    "departs from",
+]
+_OBJECTS = [
+    "14 euros",
+    "22:40",
+    "8 am",
+    "6 pm",
+    "30 days",
+    "platform 7",
+    "half the fare",
+    "60 minutes",
+    "coach C",
+    "the central office",
+]
+
+
+def _document(seed: int, sentences: int) -> str:
+    rng = random.Random(seed)
+    lines = [f"Northern Lines service notice {seed}."]
+    for i in range(sentences):
+        lines.append(
+            f"Rule {seed}.{i}: {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} "
+            f"{rng.choice(_OBJECTS)} on {rng.choice(['weekdays', 'Sundays', 'holidays'])}."
+        )
+    return " ".join(lines)
+
+
+def _chat(
+    engine: EngineProc, system: str, turns: list[tuple[str, str]], question: str
+) -> list[int]:
+    messages = [{"role": "system", "content": system}]
+    for user, assistant in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return engine.chat([*messages, {"role": "user", "content": question}])
+
+
+def _wait_stored(address: str, timeout_s: float = 60.0) -> int:
+    """Wait until the server's entry count stops growing (the background store landed)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = cache_pb2_grpc.KVCacheStub(channel)
+        deadline = time.monotonic() + timeout_s
+        last, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            n = sum(t.entries for t in stub.Stats(cache_pb2.StatsRequest(), timeout=5).tiers)
+            if n != last:
+                last, since = n, time.monotonic()
+            elif n > 0 and time.monotonic() - since > 1.0:
+                return n
+            time.sleep(0.1)
+    raise RuntimeError(f"the store did not settle ({last} entries)")
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _kl_top1(ref: dict[str, float], got: dict[str, float], target: int) -> tuple[float, bool]:
+    """KL(ref || got) over ref's top tokens (got's floor where it lacks one), top-1 match."""
+    floor = min(got.values())
+    kl = sum(math.exp(lp) * (lp - got.get(tok, floor)) for tok, lp in ref.items())
+    best = max(got, key=lambda tok: got[tok])
+    return max(kl, 0.0), int(best) == target
+
+
+def exact_prefix(store: EngineProc, load: EngineProc, address: str) -> dict[str, float]:
+    """Scenario 1: TTFT cold vs cached on ~1.5k-token prompts, interleaved, medians."""
+    cold, cached, claimed, stored_prefix = [], [], [], []
+    for r in range(ROUNDS):
+        doc = _document(100 + r, 95)
+        prompt = _chat(load, doc, [], "Which rule mentions the night train first?")
+        stored = _chat(store, doc, [], "Summarise the rules about bikes.")
+        out = load.generate(prompt, max_tokens=1)
+        assert out["cached"] == 0, "the cold run found something"
+        cold.append(out["seconds"])
+        store.generate(stored, max_tokens=1)
+        _wait_stored(address)
+        out = load.generate(prompt, max_tokens=1)
+        cached.append(out["seconds"])
+        claimed.append(out["cached"])
+        stored_prefix.append(_common(prompt, stored))
+        print(
+            f"round {r}: prompt {len(prompt)} tokens, shared prefix {stored_prefix[-1]}, "
+            f"cold {cold[-1] * 1e3:.0f} ms, cached {cached[-1] * 1e3:.0f} ms "
+            f"({claimed[-1]} tokens claimed)",
+            flush=True,
+        )
+    c, w = statistics.median(cold), statistics.median(cached)
+    return {
+        "ttft_cold_ms": c * 1e3,
+        "ttft_cached_ms": w * 1e3,
+        "ttft_speedup": c / w,
+        "claimed_tokens": statistics.median(claimed),
+        "stored_prefix_tokens": statistics.median(stored_prefix),
+    }
+
+
+def truncated_history(store: EngineProc, load: EngineProc, ref: EngineProc) -> dict[str, float]:
+    """Scenario 2: quality of claiming a moved history (pi_reuse=contiguous)."""
+    system = "You are Pip, the assistant of Northern Lines. " + _document(7, 12)
+    turns = [(f"Tell me about rule 7.{i}.", _document(200 + i, 5)) for i in range(10)]
+    question = "Which of these rules matter for a cyclist?"
+    store.generate(_chat(store, system, turns, question), max_tokens=1)
+    full = _chat(load, system, turns, question)
+    truncated = _chat(load, system, turns[4:], question)
+    cont = ref.generate(truncated, max_tokens=CONTINUATION)["ids"][:CONTINUATION]
+    forced = ref.generate(truncated + cont, max_tokens=1, prompt_logprobs=TOP)
+    ref_lps = forced["prompt_logprobs"][len(truncated) : len(truncated) + len(cont)]
+    before = load.metrics().get("vllm:nopecache_claimed_pi_tokens", 0.0)
+    first = load.generate_many([truncated], max_tokens=1, logprobs=TOP)
+    pi_claimed = load.metrics().get("vllm:nopecache_claimed_pi_tokens", 0.0) - before
+    rest = load.generate_many(
+        [truncated + cont[:j] for j in range(1, len(cont))], max_tokens=1, logprobs=TOP
+    )
+    kls, hits = [], []
+    for j, out in enumerate([*first, *rest]):
+        kl, hit = _kl_top1(ref_lps[j], out["logprobs"][0], cont[j])
+        kls.append(kl)
+        hits.append(hit)
+    print(
+        f"truncated history: {len(full)} -> {len(truncated)} tokens, exact prefix "
+        f"{_common(full, truncated)}, claimed {first[0]['cached']} ({pi_claimed:.0f} "
+        "position-independent)",
+        flush=True,
+    )
+    return {
+        "pi_claimed_tokens": pi_claimed,
+        "pi_top1": sum(hits) / len(hits),
+        "pi_kl": sum(kls) / len(kls),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="vLLM model folder ($NOPECACHE_VLLM_MODEL)")
+    args = parser.parse_args()
+
+    model = args.model or os.environ.get("NOPECACHE_VLLM_MODEL")
+    if not model:
+        sys.exit("set NOPECACHE_VLLM_MODEL (make bench does) or pass --model")
+    work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-bench-"))
+    server = CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=1GiB&pinned=no",))
+    server.start()
+    url = f"nopecache://{server.address}"
+    seg = {"segment_token_ids": [IM_START]}
+    engines = {
+        "store": EngineConfig(model=model, connector={"url": url, **seg}),
+        "load": EngineConfig(
+            model=model,
+            connector={"url": url, "save": False, "pi_reuse": "contiguous", **seg},
+        ),
+        "ref": EngineConfig(model=model),
+    }
+    procs = {name: EngineProc(cfg, work / f"{name}.log") for name, cfg in engines.items()}
+    try:
+        for name, proc in procs.items():
+            proc.start()
+            proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
+            print(f"engine {name} ready", flush=True)
+        result = exact_prefix(procs["store"], procs["load"], server.address)
+        result.update(truncated_history(procs["store"], procs["load"], procs["ref"]))
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        server.stop()
+    fields = " ".join(
+        f"{k}={v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{k}={int(v)}"
+        for k, v in result.items()
+    )
+    print(f"RESULT {fields}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""What the connector's two halves tell each other every engine step (plain, picklable).
+
+::
+
+    scheduler process                                  worker process
+    -----------------                                  --------------
+    get_num_new_matched_tokens: lookup, claim
+    build_connector_meta  -- StepPlan (loads, saves) -->  start_load_kv: fetch + place
+                                                          wait_for_save: copy + queue store
+    update_connector_output <-- StepReport ----------  build_connector_worker_meta
+
+vLLM pickles these between its processes, so they hold only numbers, token lists and the
+client's own frozen plan objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nopecache.client.plan import ReusePlan
+
+__all__ = ["LoadSpec", "SaveSpec", "StepPlan", "StepReport", "slots_for"]
+
+
+def slots_for(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache slot of every token position in ``[start, end)``."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load the plan's blocks into positions ``[start, end)`` of one request.
+
+    ``plan`` covers ``tokens`` (the prompt up to the claim's lookup limit); positions
+    below ``start`` are already in vLLM's cache and are not written.
+    """
+
+    req_id: str
+    tokens: tuple[int, ...]
+    plan: ReusePlan
+    start: int
+    end: int
+    block_ids: tuple[int, ...]  # the request's blocks, from position 0
+
+    @property
+    def exact_tokens(self) -> int:
+        """Claimed tokens that come from the exact prefix (lossless)."""
+        return max(0, min(self.plan.prefix_end, self.end) - self.start)
+
+    @property
+    def pi_tokens(self) -> int:
+        """Claimed tokens that come from position-independent hits."""
+        return self.end - self.start - self.exact_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the KV of ``tokens`` (whole blocks from position 0) from ``block_ids``."""
+
+    req_id: str
+    tokens: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """The scheduler half's instructions for one engine step."""
+
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+    scheduled_tokens: int = 0  # tokens the step's forward computes (for the prefill rate)
+
+
+@dataclass(slots=True)
+class StepReport:
+    """The worker half's account of one engine step (summed over workers)."""
+
+    loaded_exact_tokens: int = 0
+    loaded_pi_tokens: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    load_errors: int = 0  # blocks reported to vLLM as failed loads
+    saved_tokens: int = 0
+    save_dropped: int = 0  # stores the client's queue refused
+    computed_tokens: int = 0  # tokens the forward computed
+    forward_seconds: float = 0.0  # the step's forward, loads excluded
+    failed_requests: list[str] = field(default_factory=list)
+
+    def add(self, other: StepReport) -> StepReport:
+        """This report plus ``other`` (a new object)."""
+        return StepReport(
+            self.loaded_exact_tokens + other.loaded_exact_tokens,
+            self.loaded_pi_tokens + other.loaded_pi_tokens,
+            self.loaded_bytes + other.loaded_bytes,
+            self.load_seconds + other.load_seconds,
+            self.load_errors + other.load_errors,
+            self.saved_tokens + other.saved_tokens,
+            self.save_dropped + other.save_dropped,
+            self.computed_tokens + other.computed_tokens,
+            max(self.forward_seconds, other.forward_seconds),
+            self.failed_requests + other.failed_requests,
+        )

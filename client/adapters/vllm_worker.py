@@ -1,0 +1,211 @@
+"""The connector's worker half: place fetched KV into vLLM's paged cache, queue stores.
+
+Runs in each vLLM worker process, on the model runner's thread, around every forward::
+
+    bind metadata (StepPlan)   t0
+    start_load_kv              fetch every LoadSpec's blocks (verified), write K/V into
+                               the claimed slots through the layer's KVLayout
+    forward                    vLLM computes the unclaimed tokens
+    wait_for_save              copy each SaveSpec's blocks out of the cache (one gather
+                               per layer), hand them to the client's store queue
+                               (``wait=False``: the network runs in the background)
+
+Loads are synchronous: vLLM schedules the request's forward right after, so the KV must
+be in place before it. A hit that fails verification, a server that dies mid-fetch, or
+any error while placing marks the blocks it covers as failed loads: vLLM recomputes
+them (``get_block_ids_with_load_errors``), and nothing wrong is ever attended to.
+vLLM's K is post-RoPE, so blocks are stored with ``form="rope"`` at their positions:
+exact-prefix blocks stay bit-exact, position-independent ones are un-rotated once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Mapping
+
+import torch
+
+from nopecache.client.adapters.vllm_config import ConnectorConfig, ModelIdentity
+from nopecache.client.adapters.vllm_layout import KVLayout, UnsupportedLayoutError, detect_layout
+from nopecache.client.adapters.vllm_meta import LoadSpec, SaveSpec, StepPlan, StepReport
+from nopecache.client.errors import NopecacheError
+from nopecache.client.sync_client import CacheClient
+
+__all__ = ["WorkerSide", "layer_index"]
+
+log = logging.getLogger(f"vllm.{__name__}")  # shown in vLLM's log
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+# A step computing fewer tokens is decode-dominated: its rate says nothing about prefill.
+_MIN_PREFILL_TOKENS = 64
+
+
+def layer_index(name: str) -> int:
+    """The layer number in a vLLM attention layer name (``model.layers.7.self_attn.attn``)."""
+    match = _LAYER_INDEX.search(name)
+    if match is None:
+        raise UnsupportedLayoutError(f"layer {name!r}: no layer number in its name")
+    return int(match.group(1))
+
+
+class WorkerSide:
+    """Loads and saves for one worker (see the module docstring)."""
+
+    def __init__(
+        self, config: ConnectorConfig, model: ModelIdentity, client: CacheClient | None
+    ) -> None:
+        """A worker half using ``client`` (None: the connector loads and stores nothing)."""
+        self.config = config
+        self.model = model
+        self.client = client
+        self.layout: KVLayout | None = None
+        self.caches: tuple[torch.Tensor, ...] = ()
+        self._errors: set[int] = set()
+        self._report = StepReport()
+        self._step_start: float | None = None
+        self._load_seconds = 0.0
+
+    # -- set-up -----------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+        """Identify the layout of every layer's cache; refuse an unknown one."""
+        if len(kv_caches) != self.model.num_layers:
+            raise UnsupportedLayoutError(
+                f"{len(kv_caches)} KV cache layers, the model has {self.model.num_layers}"
+            )
+        ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+        layouts = [
+            detect_layout(
+                name,
+                cache,
+                block_size=self.model.block_size,
+                num_kv_heads=self.model.num_kv_heads,
+                head_dim=self.model.head_dim,
+            )
+            for name, cache in ordered
+        ]
+        kinds = {type(lay) for lay in layouts}
+        if len(kinds) != 1:
+            raise UnsupportedLayoutError(f"layers mix KV layouts {sorted(k.name for k in kinds)}")
+        for name, cache in ordered:
+            if cache.dtype != self.model.dtype:
+                raise UnsupportedLayoutError(
+                    f"layer {name!r}: KV cache dtype {cache.dtype}, the model's is "
+                    f"{self.model.dtype}"
+                )
+        self.layout = layouts[0]
+        self.caches = tuple(cache for _, cache in ordered)
+        return self.layout
+
+    # -- per step ---------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Mark the start of a step (before its loads and forward)."""
+        self._step_start = time.perf_counter()
+        self._load_seconds = 0.0
+
+    def load(self, plan: StepPlan) -> None:
+        """Fetch and place every load of the step; failures become load errors."""
+        for spec in plan.loads:
+            start = time.perf_counter()
+            self._load_one(spec)
+            self._load_seconds += time.perf_counter() - start
+
+    def _fail(self, spec: LoadSpec, positions: range) -> None:
+        bs = self.model.block_size
+        blocks = {spec.block_ids[p // bs] for p in positions}
+        self._errors.update(blocks)
+        self._report.load_errors += len(blocks)
+        self._report.failed_requests.append(spec.req_id)
+
+    def _load_one(self, spec: LoadSpec) -> None:
+        claimed = range(spec.start, spec.end)
+        if self.client is None or self.layout is None:
+            self._fail(spec, claimed)
+            return
+        try:
+            result = self.client.fetch(spec.plan, spec.tokens)
+        except NopecacheError as err:
+            log.warning("nopecache fetch for %s failed: %s", spec.req_id, err)
+            self._fail(spec, claimed)
+            return
+        assert result.k is not None and result.v is not None
+        mask = result.mask[spec.start : spec.end]
+        placed = int(mask.sum())
+        if placed != len(claimed):
+            missing = [spec.start + int(i) for i in torch.nonzero(~mask).flatten()]
+            log.warning(
+                "nopecache: %d of %d claimed tokens of %s failed to load",
+                len(missing),
+                len(claimed),
+                spec.req_id,
+            )
+            self._fail(spec, range(min(missing), spec.end))
+        bs = self.model.block_size
+        slots = torch.tensor(
+            [spec.block_ids[p // bs] * bs + p % bs for p in claimed], dtype=torch.int64
+        )
+        keep = torch.nonzero(mask).flatten()
+        slots = slots[keep]
+        rows = keep + spec.start
+        for layer, cache in enumerate(self.caches):
+            self.layout.write(cache, slots, result.k[layer, rows], result.v[layer, rows])
+        self._report.loaded_exact_tokens += spec.exact_tokens
+        self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
+        self._report.loaded_bytes += result.nbytes
+
+    def save(self, plan: StepPlan) -> None:
+        """Copy every save's blocks out of the cache and queue their store."""
+        if self.client is not None and self.layout is not None:
+            for spec in plan.saves:
+                self._save_one(spec)
+        self._end_step(plan)
+
+    def _save_one(self, spec: SaveSpec) -> None:
+        assert self.client is not None and self.layout is not None
+        n = len(spec.tokens)
+        shape = (self.model.num_layers, n, self.model.num_kv_heads, self.model.head_dim)
+        k = torch.empty(shape, dtype=self.model.dtype)
+        v = torch.empty(shape, dtype=self.model.dtype)
+        ids = torch.tensor(spec.block_ids, dtype=torch.int64)
+        for layer, cache in enumerate(self.caches):
+            self.layout.read_blocks_into(cache, ids, k[layer], v[layer])
+        try:
+            report = self.client.store(
+                spec.tokens,
+                (k, v),
+                0,
+                form="rope",
+                segments=self.config.segments(spec.tokens),
+                namespace=self.config.namespace,
+                wait=False,
+            )
+        except NopecacheError as err:
+            log.warning("nopecache store for %s refused: %s", spec.req_id, err)
+            self._report.save_dropped += 1
+            return
+        if report.dropped:
+            self._report.save_dropped += 1
+        else:
+            self._report.saved_tokens += n
+
+    def _end_step(self, plan: StepPlan) -> None:
+        if self._step_start is None:
+            return
+        forward = time.perf_counter() - self._step_start - self._load_seconds
+        self._report.load_seconds += self._load_seconds
+        computed = plan.scheduled_tokens
+        if computed >= _MIN_PREFILL_TOKENS and forward > 0:
+            self._report.computed_tokens += computed
+            self._report.forward_seconds += forward
+        self._step_start = None
+
+    def take_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def take_report(self) -> StepReport | None:
+        """What this worker did since the last call (None if nothing)."""
+        report, self._report = self._report, StepReport()
+        return None if report == StepReport() else report
