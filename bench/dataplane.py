@@ -211,7 +211,7 @@ def cold_child(address: str) -> None:
     model = Model(COLD_SHAPE, *SHAPES[COLD_SHAPE])
     prompt, k, _ = model.kv(COLD_TOKENS, seed=COLD_TOKENS)
     into = paged_target(COLD_TOKENS, model.layers, model.heads, model.dim, DTYPE)
-    with model.client(address, "auto", f"fetch-{COLD_TOKENS}") as client:
+    with model.client(address, "auto", "cold") as client:
         times = []
         for _ in range(6):
             start = time.perf_counter()
@@ -275,6 +275,12 @@ def main() -> None:
                     f"{row['bulk']:6.2f} {row['shm']:6.2f} {row['put']:6.2f}",
                     flush=True,
                 )
+        # The child's blocks, stored just before it starts (earlier puts may have pushed
+        # the fetch cases' blocks out of the tier).
+        cold_model = Model(COLD_SHAPE, *SHAPES[COLD_SHAPE])
+        prompt, k, v = cold_model.kv(COLD_TOKENS, seed=COLD_TOKENS)
+        with cold_model.client(addr, "grpc", "cold") as client:
+            client.store(prompt, (k, v), form="rope", position_independent=False)
         child = subprocess.run(
             [sys.executable, __file__, "--cold-child", addr], capture_output=True, text=True
         )

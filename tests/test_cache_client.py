@@ -26,6 +26,7 @@ from nopecache.client import (
     RetryPolicy,
     content_chunks,
 )
+from nopecache.client.bulk import BulkSource
 from nopecache.client.cost import CostConfig
 from nopecache.client.sharding import Rendezvous
 from nopecache.client.transport import BlockSource, FastPathFactory, ServerConnection, ServerInfo
@@ -569,3 +570,31 @@ def test_bad_arguments_raise_typed_errors_naming_them() -> None:
         )
         with pytest.raises(FingerprintMismatchError, match="into: caches of"):
             c.fetch(plan, tokens, into=wrong)
+
+
+def test_construction_warms_channels_buffers_and_the_bulk_socket(
+    servers: list[CacheServerProc],
+) -> None:
+    with client(config(servers[:1], "warm", shm="off")) as c:
+        conn = c.core.connection(servers[0].address)
+        source = conn.data_blocks
+        info = conn.info
+        pooled = c.core._pool.pooled_bytes
+        idle = len(source._idle) if isinstance(source, BulkSource) else -1
+        stats = c.stats()
+    assert info is not None  # Stats answered before the first call
+    assert idle == 1  # one bulk socket connected ahead of the first Get
+    # Two touched receive buffers of one prefix block (16 tokens, rounded to 1 MiB).
+    assert pooled == 2 * 1024 * 1024
+    assert stats.server_errors == {} and stats.fetches == 0
+
+
+def test_a_warm_up_against_a_dead_server_leaves_it_to_the_first_call(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    (dead,) = start_cache_servers(1, tmp_path_factory.mktemp("dead"))
+    dead.kill()
+    with client(config([dead], "warm-dead", down_backoff_s=30.0)) as c:
+        conn = c.core.connection(dead.address)
+        assert not conn.is_down()  # the first real call probes it, not 30 s later
+        assert c.stats().server_errors == {dead.address: 1}
