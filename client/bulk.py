@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
 _MAX_IDLE = 4
-_RCVBUF = 4 * 1024 * 1024
 
 
 class BulkSource:
@@ -194,8 +193,6 @@ def _connect(host: str, port: int, ticket: bytes, deadline: float) -> socket.soc
     sock = socket.create_connection((host, port), timeout=_remaining(deadline))
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
         _send(sock, hello(ticket), deadline)
         welcome = bytearray(len(MAGIC))
         _recv_into(sock, memoryview(welcome), deadline)
