@@ -40,7 +40,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
 
-from engine_proc import EngineConfig, EngineProc  # noqa: E402
+from engine_proc import EngineConfig, EngineProc, common_prefix  # noqa: E402
 from redis_procs import free_ports  # noqa: E402
 from server_procs import CacheServerProc  # noqa: E402
 
@@ -125,15 +125,6 @@ def _wait_stored(address: str, timeout_s: float = 60.0) -> int:
     raise RuntimeError(f"the store did not settle ({last} entries)")
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _kl_top1(ref: dict[str, float], got: dict[str, float], target: int) -> tuple[float, bool]:
     """KL(ref || got) over ref's top tokens (got's floor where it lacks one), top-1 match."""
     floor = min(got.values())
@@ -146,7 +137,7 @@ def exact_prefix(store: EngineProc, load: EngineProc, address: str) -> dict[str,
     """Scenario 1: TTFT cold vs cached on ~1.5k-token prompts, interleaved, medians."""
     cold, cached, claimed, stored_prefix = [], [], [], []
     for r in range(ROUNDS):
-        doc = _document(100 + r, 95)
+        doc = _document(100 + r, 68)
         prompt = _chat(load, doc, [], "Which rule mentions the night train first?")
         stored = _chat(store, doc, [], "Summarise the rules about bikes.")
         out = load.generate(prompt, max_tokens=1)
@@ -157,7 +148,7 @@ def exact_prefix(store: EngineProc, load: EngineProc, address: str) -> dict[str,
         out = load.generate(prompt, max_tokens=1)
         cached.append(out["seconds"])
         claimed.append(out["cached"])
-        stored_prefix.append(_common(prompt, stored))
+        stored_prefix.append(common_prefix(prompt, stored))
         print(
             f"round {r}: prompt {len(prompt)} tokens, shared prefix {stored_prefix[-1]}, "
             f"cold {cold[-1] * 1e3:.0f} ms, cached {cached[-1] * 1e3:.0f} ms "
@@ -198,7 +189,7 @@ def truncated_history(store: EngineProc, load: EngineProc, ref: EngineProc) -> d
         hits.append(hit)
     print(
         f"truncated history: {len(full)} -> {len(truncated)} tokens, exact prefix "
-        f"{_common(full, truncated)}, claimed {first[0]['cached']} ({pi_claimed:.0f} "
+        f"{common_prefix(full, truncated)}, claimed {first[0]['cached']} ({pi_claimed:.0f} "
         "position-independent)",
         flush=True,
     )

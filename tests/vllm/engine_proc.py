@@ -55,6 +55,16 @@ EngineFactory = Callable[..., "EngineProc"]
 """The ``engines`` fixture: ``engines(dtype=..., connector=...)`` starts an EngineProc."""
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two prompts share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class EngineError(RuntimeError):
     """The engine process failed or answered with an error."""
 

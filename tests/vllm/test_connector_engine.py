@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_proc import EngineError, EngineFactory
+from engine_proc import EngineError, EngineFactory, common_prefix
 from redis_procs import RedisProc, free_ports
 from server_procs import CacheServerProc
 
@@ -61,11 +61,7 @@ def _chat(engine: Any, question: str, system: str = SYSTEM) -> list[int]:
 
 
 def _expected_claim(stored: list[int], prompt: list[int]) -> int:
-    common = 0
-    for a, b in zip(stored, prompt, strict=False):
-        if a != b:
-            break
-        common += 1
+    common = common_prefix(stored, prompt)
     limit = min(common, len(stored) // BLOCK * BLOCK, (len(prompt) - 1) // BLOCK * BLOCK)
     return limit - limit % BLOCK
 
