@@ -138,7 +138,7 @@ class BulkSource:
                     first = await asyncio.to_thread(_receive, sock, pool, tiers, limit, 0, deadline)
                 break
             except (OSError, WireError) as e:
-                sock.close()
+                _discard(sock)
                 sock = None
                 if not reused:
                     raise TransportError(f"bulk stream: {e}") from e
@@ -171,7 +171,7 @@ class BulkSource:
             if clean and len(self._idle) < _MAX_IDLE:
                 self._idle.append(sock)
             else:
-                sock.close()
+                _discard(sock)
 
     def close(self) -> None:
         """Close the idle sockets."""
@@ -179,6 +179,14 @@ class BulkSource:
         for sock in idle:
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def _discard(sock: socket.socket) -> None:
+    """Close a socket a call gave up on; the shutdown first wakes a worker thread still
+    blocked in recv_into on it (a cancelled call does not wait for that thread)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def _remaining(deadline: float) -> float:
