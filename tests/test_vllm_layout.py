@@ -18,7 +18,7 @@ from nopecache.client.adapters.vllm_layout import (
     detect_layout,
 )
 from nopecache.client.adapters.vllm_meta import slots_for
-from nopecache.client.adapters.vllm_scheduler import claim_end
+from nopecache.client.adapters.vllm_scheduler import claim_end, trim_plan
 from nopecache.client.chunking import ChunkSpan
 from nopecache.client.keys import BlockKey
 from nopecache.client.plan import Hit, HitKind, ReusePlan
@@ -178,6 +178,19 @@ def test_claim_end_is_block_aligned_and_contiguous_only() -> None:
     assert claim_end(plan, contiguous=True, limit=640, block_size=128) == 384  # 420 aligned
     assert claim_end(plan, contiguous=True, limit=300, block_size=128) == 256  # the limit
     assert claim_end(ReusePlan.all_miss(700), contiguous=True, limit=640, block_size=128) == 0
+
+
+def test_trimmed_plans_fetch_only_what_a_claim_uses() -> None:
+    pre = (_hit(HitKind.PREFIX, 0, 128),)
+    a, b = (
+        _hit(HitKind.POSITION_INDEPENDENT, 128, 200),
+        _hit(HitKind.POSITION_INDEPENDENT, 300, 400),
+    )
+    plan = ReusePlan(500, pre, (a, b), (ChunkSpan(200, 300), ChunkSpan(400, 500)))
+    trimmed = trim_plan(plan, 256)
+    assert trimmed.prefix == pre and trimmed.hits == (a,)
+    assert trimmed.misses == (ChunkSpan(200, 500),)
+    assert trim_plan(plan, 384) == plan
 
 
 def test_slots_follow_the_block_table() -> None:

@@ -275,6 +275,12 @@ class NopecacheConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             self._worker_side().save(self._step())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose background loads ended (failed ones too: their blocks are in
+        get_block_ids_with_load_errors in the same step)."""
+        done = self._worker_side().finished_loads()
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose claimed load failed this step (vLLM recomputes them)."""
         return self._worker_side().take_errors()
@@ -303,8 +309,10 @@ class NopecacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens after ``num_computed_tokens`` the cache can supply (loaded synchronously)."""
-        return self._scheduler_side().matched_tokens(request, num_computed_tokens), False
+        """Tokens after ``num_computed_tokens`` the cache can supply, and whether they load
+        in the background (``load_async``)."""
+        n = self._scheduler_side().matched_tokens(request, num_computed_tokens)
+        return n, self.settings.load_async and n > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Remember the request's blocks; queue a load when tokens were claimed."""
@@ -365,7 +373,9 @@ class NopecacheConnector(KVConnectorBase_V1):
         return NopecachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        """Finish queued stores and close the client."""
+        """Finish background loads and queued stores, then close the client."""
+        if self._worker is not None:
+            self._worker.close()
         if self.client is not None:
             self.client.close()
             self.client = None

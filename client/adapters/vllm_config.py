@@ -10,6 +10,10 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      that tile the prompt right after the exact prefix
     namespace    str    ""           salt separating workloads within one tenant
     load         bool   true         look up and load cached KV
+    load_async   bool   false        fetch in the background while vLLM runs other
+                                     requests (the request waits in
+                                     WAITING_FOR_REMOTE_KVS); false: fetch before the
+                                     step's forward
     save         bool   true         store the KV of every prefilled prompt
     segment_token_ids
                  list   []           token ids that start a segment (e.g. the id of
@@ -97,10 +101,11 @@ class ConnectorConfig:
     pi_reuse: PiReuse = "off"
     namespace: str = ""
     load: bool = True
+    load_async: bool = False
     save: bool = True
     segment_token_ids: frozenset[int] = frozenset()
 
-    KEYS = ("url", "pi_reuse", "namespace", "load", "save", "segment_token_ids")
+    KEYS = ("url", "pi_reuse", "namespace", "load", "load_async", "save", "segment_token_ids")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -131,6 +136,7 @@ class ConnectorConfig:
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
             namespace=_str("namespace", extra.get("namespace", "")),
             load=_bool("load", extra.get("load", True)),
+            load_async=_bool("load_async", extra.get("load_async", False)),
             save=_bool("save", extra.get("save", True)),
             segment_token_ids=_token_ids("segment_token_ids", extra.get("segment_token_ids", [])),
         )

@@ -41,6 +41,7 @@ class LoadSpec:
     start: int
     end: int
     block_ids: tuple[int, ...]  # the request's blocks, from position 0
+    asynchronous: bool = False  # fetched in the background; vLLM waits for get_finished
 
     @property
     def exact_tokens(self) -> int:

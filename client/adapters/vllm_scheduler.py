@@ -28,6 +28,7 @@ from typing import Any
 
 from nopecache.client.adapters.vllm_config import ConnectorConfig, ModelIdentity
 from nopecache.client.adapters.vllm_meta import LoadSpec, SaveSpec, StepPlan, StepReport
+from nopecache.client.chunking import ChunkSpan
 from nopecache.client.errors import NopecacheError
 from nopecache.client.plan import ReusePlan
 from nopecache.client.sync_client import CacheClient
@@ -39,6 +40,7 @@ __all__ = [
     "SchedulerSide",
     "StoredBlocks",
     "claim_end",
+    "trim_plan",
 ]
 
 SCHEDULER_COUNTERS = ("lookups", "lookup_failures", "claimed_exact_tokens", "claimed_pi_tokens")
@@ -56,6 +58,20 @@ def claim_end(plan: ReusePlan, *, contiguous: bool, limit: int, block_size: int)
             end = hit.target.end
     end = min(end, limit)
     return end - end % block_size
+
+
+def trim_plan(plan: ReusePlan, end: int) -> ReusePlan:
+    """``plan`` without the hits that start at or after ``end`` (they become misses)."""
+    hits = tuple(h for h in plan.hits if h.target.start < end)
+    misses: list[ChunkSpan] = []
+    pos = plan.prefix_end
+    for hit in hits:
+        if hit.target.start > pos:
+            misses.append(ChunkSpan(pos, hit.target.start))
+        pos = hit.target.end
+    if pos < plan.num_tokens:
+        misses.append(ChunkSpan(pos, plan.num_tokens))
+    return ReusePlan(plan.num_tokens, plan.prefix, hits, tuple(misses))
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +165,7 @@ class SchedulerSide:
         self._note_gone(request, plan.prefix_end // bs, limit // bs)
         end = claim_end(plan, contiguous=contiguous, limit=limit, block_size=bs)
         end = max(end, num_computed_tokens)
-        self._claims[req_id] = Claim(tokens, plan, num_computed_tokens, end)
+        self._claims[req_id] = Claim(tokens, trim_plan(plan, end), num_computed_tokens, end)
         return end - num_computed_tokens
 
     def _note_gone(self, request: Any, found_blocks: int, looked_up_blocks: int) -> None:
@@ -169,7 +185,15 @@ class SchedulerSide:
         approximate_from: int | None = None
         if num_external > 0 and claim is not None:
             end = claim.start + num_external
-            load = LoadSpec(req_id, claim.tokens, claim.plan, claim.start, end, tuple(block_ids))
+            load = LoadSpec(
+                req_id,
+                claim.tokens,
+                claim.plan,
+                claim.start,
+                end,
+                tuple(block_ids),
+                asynchronous=self.config.load_async,
+            )
             self._loads.append(load)
             self.totals.claimed_exact_tokens += load.exact_tokens
             self.totals.claimed_pi_tokens += load.pi_tokens

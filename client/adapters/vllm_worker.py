@@ -10,8 +10,10 @@ Runs in each vLLM worker process, on the model runner's thread, around every for
                                per layer), hand them to the client's store queue
                                (``wait=False``: the network runs in the background)
 
-Loads are synchronous: vLLM schedules the request's forward right after, so the KV must
-be in place before it. A hit that fails verification, a server that dies mid-fetch, or
+Loads are synchronous by default: vLLM schedules the request's forward right after, so
+the KV must be in place before it. With ``load_async`` they run on a background thread
+while vLLM keeps stepping other requests; the request waits until ``finished_loads``
+reports it (vLLM's async-receive protocol). A hit that fails verification, a server that dies mid-fetch, or
 any error while placing marks the blocks it covers as failed loads: vLLM recomputes
 them (``get_block_ids_with_load_errors``), and nothing wrong is ever attended to.
 vLLM's K is post-RoPE, so blocks are stored with ``form="rope"`` at their positions:
@@ -20,8 +22,10 @@ exact-prefix blocks stay bit-exact, position-independent ones are un-rotated onc
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import re
+import threading
 import time
 from collections.abc import Mapping
 
@@ -62,8 +66,12 @@ class WorkerSide:
         self.client = client
         self.layout: KVLayout | None = None
         self.caches: tuple[torch.Tensor, ...] = ()
+        # Guards _errors and _report: background loads add to them.
+        self._lock = threading.Lock()
         self._errors: set[int] = set()
         self._report = StepReport()
+        self._pending: dict[str, concurrent.futures.Future[float]] = {}
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nopecache-load")
         self._step_start: float | None = None
         self._load_seconds = 0.0
 
@@ -107,16 +115,37 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         """Fetch and place every load of the step; failures become load errors."""
         for spec in plan.loads:
-            start = time.perf_counter()
+            if spec.asynchronous:
+                self._pending[spec.req_id] = self._loader.submit(self._timed_load, spec)
+            else:
+                self._load_seconds += self._timed_load(spec)
+
+    def _timed_load(self, spec: LoadSpec) -> float:
+        start = time.perf_counter()
+        try:
             self._load_one(spec)
-            self._load_seconds += time.perf_counter() - start
+        except Exception:  # a bug here must cost a recompute, never the engine
+            log.exception("nopecache: loading %s failed", spec.req_id)
+            self._fail(spec, range(spec.start, spec.end))
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._report.load_seconds += seconds
+        return seconds
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose background load ended since the last call."""
+        done = {req_id for req_id, future in self._pending.items() if future.done()}
+        for req_id in done:
+            del self._pending[req_id]
+        return done
 
     def _fail(self, spec: LoadSpec, positions: range) -> None:
         bs = self.model.block_size
         blocks = {spec.block_ids[p // bs] for p in positions}
-        self._errors.update(blocks)
-        self._report.load_errors += len(blocks)
-        self._report.failed_requests.append(spec.req_id)
+        with self._lock:
+            self._errors.update(blocks)
+            self._report.load_errors += len(blocks)
+            self._report.failed_requests.append(spec.req_id)
 
     def _load_one(self, spec: LoadSpec) -> None:
         claimed = range(spec.start, spec.end)
@@ -150,9 +179,10 @@ class WorkerSide:
         rows = keep + spec.start
         for layer, cache in enumerate(self.caches):
             self.layout.write(cache, slots, result.k[layer, rows], result.v[layer, rows])
-        self._report.loaded_exact_tokens += spec.exact_tokens
-        self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
-        self._report.loaded_bytes += result.nbytes
+        with self._lock:
+            self._report.loaded_exact_tokens += spec.exact_tokens
+            self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
+            self._report.loaded_bytes += result.nbytes
 
     def save(self, plan: StepPlan) -> None:
         """Copy every save's blocks out of the cache and queue their store."""
@@ -182,30 +212,36 @@ class WorkerSide:
             )
         except NopecacheError as err:
             log.warning("nopecache store for %s refused: %s", spec.req_id, err)
-            self._report.save_dropped += 1
-            return
-        if report.dropped:
-            self._report.save_dropped += 1
-        else:
-            self._report.saved_tokens += n
+            report = None
+        with self._lock:
+            if report is None or report.dropped:
+                self._report.save_dropped += 1
+            else:
+                self._report.saved_tokens += n
 
     def _end_step(self, plan: StepPlan) -> None:
         if self._step_start is None:
             return
         forward = time.perf_counter() - self._step_start - self._load_seconds
-        self._report.load_seconds += self._load_seconds
         computed = plan.scheduled_tokens
         if computed >= _MIN_PREFILL_TOKENS and forward > 0:
-            self._report.computed_tokens += computed
-            self._report.forward_seconds += forward
+            with self._lock:
+                self._report.computed_tokens += computed
+                self._report.forward_seconds += forward
         self._step_start = None
 
     def take_errors(self) -> set[int]:
         """Block ids whose load failed since the last call."""
-        errors, self._errors = self._errors, set()
+        with self._lock:
+            errors, self._errors = self._errors, set()
         return errors
 
     def take_report(self) -> StepReport | None:
         """What this worker did since the last call (None if nothing)."""
-        report, self._report = self._report, StepReport()
+        with self._lock:
+            report, self._report = self._report, StepReport()
         return None if report == StepReport() else report
+
+    def close(self) -> None:
+        """Wait for background loads, then stop their thread."""
+        self._loader.shutdown(wait=True)

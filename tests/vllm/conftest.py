@@ -9,6 +9,7 @@ converts SmolLM2 once).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,14 @@ pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (make test 
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_proc import EngineConfig, EngineFactory, EngineProc
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_vllm_suite_at_a_time() -> Iterator[None]:
+    """Hold a machine-wide lock: each engine takes ~2 GiB, so suites run one at a time."""
+    with open("/tmp/nopecache-vllm-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")

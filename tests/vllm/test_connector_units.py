@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 
-from nopecache.client.adapters.vllm import _verify_cpu_layout
-from nopecache.client.adapters.vllm_config import UnsupportedEngineError, model_identity
+from nopecache.client.adapters.vllm import NopecacheConnector, _verify_cpu_layout
+from nopecache.client.adapters.vllm_config import (
+    ConnectorConfigError,
+    UnsupportedEngineError,
+    model_identity,
+)
 from nopecache.client.adapters.vllm_layout import CpuAttnLayout, UnsupportedLayoutError
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
@@ -50,6 +56,61 @@ def test_fingerprint_comes_from_vllms_config(model_dir: str) -> None:
     assert fp.rope_digest == RopeSpec.from_hf_config(AutoConfig.from_pretrained(model_dir)).digest()
     fp32 = model_identity(_vllm_config(model_dir, dtype="float32")).fingerprint
     assert fp32.dtype == "float32" and fp32.digest() != fp.digest()
+
+
+def _connector(
+    model_dir: str, role: KVConnectorRole, extra: dict[str, object]
+) -> NopecacheConnector:
+    transfer = KVTransferConfig(
+        kv_connector="NopecacheConnector",
+        kv_connector_module_path="nopecache.client.adapters.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
+    config = _vllm_config(model_dir, dtype="bfloat16", kv_transfer_config=transfer)
+    return NopecacheConnector(config, role)  # type: ignore[arg-type,unused-ignore]
+
+
+URL = "nopecache://127.0.0.1:1"  # nothing listens: the connector must start anyway
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"url": URL, "pi_reuse": "sideways"}, "['pi_reuse']: must be one of off, contiguous"),
+        ({"url": URL, "urll": 1}, "kv_connector_extra_config['urll']: unknown key"),
+        ({}, "kv_connector_extra_config['url']: is required"),
+    ],
+)
+def test_bad_extra_config_stops_the_connector_naming_the_key(
+    model_dir: str, extra: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConnectorConfigError) as err:
+        _connector(model_dir, KVConnectorRole.SCHEDULER, extra)
+    assert message in str(err.value)
+
+
+def test_scheduler_connector_makes_load_failures_recompute(model_dir: str) -> None:
+    connector = _connector(model_dir, KVConnectorRole.SCHEDULER, {"url": URL})
+    try:
+        assert connector._kv_transfer_config.kv_load_failure_policy == "recompute"
+    finally:
+        connector.shutdown()
+
+
+def test_worker_connector_refuses_an_unknown_layout(model_dir: str) -> None:
+    connector = _connector(model_dir, KVConnectorRole.WORKER, {"url": URL})
+    try:
+        caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 128, 3, 64) for i in range(30)}
+        with pytest.raises(UnsupportedLayoutError, match=r"shape \[4, 128, 3, 64\], stride"):
+            connector.register_kv_caches(caches)
+        good = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(4, 3, 128, 128, dtype=torch.bfloat16)
+            for i in range(30)
+        }
+        connector.register_kv_caches(good)  # the CPU_ATTN layout, checked against vLLM's op
+    finally:
+        connector.shutdown()
 
 
 def test_quantized_kv_is_refused(model_dir: str) -> None:
