@@ -301,12 +301,10 @@ class ServerConnection:
         """Open the channel, learn the server's info and prepare its block sources now (shm
         session, bulk socket), so the first fetch does not pay for them; whether the
         server answered."""
-        # A failed warm-up is counted and logged, but leaves the server as it was: the
-        # first real call probes it (a slow start must not cost the next second's hits).
-        before = self.health.down_until
+        # A failed warm-up is a failed call like any other: counted, logged once, and the
+        # server backs off (a server refusing our token is not asked again per call).
         info = await self.ensure_info()
         if info is None:
-            self.health.down_until = before
             return False
         sources = [self._source, self._data] if self._data is not self._source else [self._data]
         try:
@@ -316,7 +314,6 @@ class ServerConnection:
                     await warm()
         except _FAILURES as e:
             self._failed("warm-up", e)
-            self.health.down_until = before
             return False
         return True
 

@@ -589,12 +589,14 @@ def test_construction_warms_channels_buffers_and_the_bulk_socket(
     assert stats.server_errors == {} and stats.fetches == 0
 
 
-def test_a_warm_up_against_a_dead_server_leaves_it_to_the_first_call(
+def test_a_warm_up_against_a_dead_server_is_its_first_failure(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     (dead,) = start_cache_servers(1, tmp_path_factory.mktemp("dead"))
     dead.kill()
+    tokens = prompt(20, seed=33)
     with client(config([dead], "warm-dead", down_backoff_s=30.0)) as c:
         conn = c.core.connection(dead.address)
-        assert not conn.is_down()  # the first real call probes it, not 30 s later
+        assert conn.is_down()  # backed off, as after any failed call
+        assert c.lookup(tokens).reused_tokens == 0  # a miss at once, no second attempt
         assert c.stats().server_errors == {dead.address: 1}
