@@ -37,8 +37,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # The vLLM tests need vLLM, which lives in its own environment (.venv-vllm); `make test`
-# runs them there (`make test-vllm`). tests/ is on sys.path, so tests/vllm itself is found
-# as a namespace package "vllm" (no origin): that is not vLLM.
+# runs them there (`make test-vllm`).
+# tests/ is on sys.path here, so tests/vllm itself is found as a namespace package named
+# vllm (no origin): only a real vLLM counts.
 _vllm = importlib.util.find_spec("vllm")
 if _vllm is None or _vllm.origin is None:
     collect_ignore = ["vllm"]
