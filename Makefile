@@ -14,7 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.nopecache-installed
 # The SmolLM2 folder vLLM loads, converted once by the main environment.
 VLLM_MODEL = $$($(BIN)/python -m nopecache.client.adapters.local_model)
 
-.PHONY: all venv vllm demo test test-vllm lint typecheck bench bench-vllm proto redis-server lock clean
+.PHONY: all venv vllm demo test test-vllm lint typecheck bench bench-vllm proto redis-server lock clean gpu-check
 
 all: test
 
@@ -90,6 +90,13 @@ bench: venv redis-server
 bench-vllm: vllm
 	@set -e; for b in bench/vllm_*.py; do \
 	  echo "== $$b"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b; done
+
+# On a machine with a CUDA device, as it is: no venv, no installs (torch, triton and pytest
+# from the image; this checkout's .venv python when there is one). Every gpu test, then
+# bench/kernels.py, then one summary line (tests/gpu_check.py).
+GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || command -v python3)
+gpu-check:
+	$(GPU_PYTHON) tests/gpu_check.py
 
 proto: venv
 	$(BIN)/python proto/generate.py

@@ -11,8 +11,13 @@
 
 Blocks are handed to the worker the moment their last frame arrives, so block n is
 placed while block n+1 is still on the wire (torch releases the GIL, the loop keeps
-reading). Nothing writes into the engine's cache after ``place`` returns or raises: a
+reading). Nothing is issued into the engine's cache after ``place`` returns or raises: a
 cancelled fetch stops the queued jobs and waits for the running one.
+
+On CUDA the worker issues copies and kernels on the device and stream the ``PagedKV``
+captured on the engine's thread, so ``place`` returns once they are *issued*:
+``FetchResult.ready`` is an event recorded after the last of them (see
+``nopecache.client.placement``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +36,13 @@ from nopecache.client.chunking import ChunkSpan, TokenArray
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.metrics import ClientMetrics
-from nopecache.client.placement import PagedKV, decode_for_hit, place_contiguous, place_paged
+from nopecache.client.placement import (
+    PagedKV,
+    StagingRing,
+    decode_for_hit,
+    place_contiguous,
+    place_paged,
+)
 from nopecache.client.plan import Hit, HitKind, ReusePlan
 from nopecache.client.sharding import Rendezvous
 from nopecache.client.transport import BufferPool, ServerConnection
@@ -51,7 +62,10 @@ class FetchResult:
 
     ``mask[i]`` is True when prompt position i got cached KV. Without a paged target,
     ``k``/``v`` are ``[layers, num_tokens, kv_heads, head_dim]``, K rotated to the target
-    positions (post-RoPE), zeros where ``mask`` is False.
+    positions (post-RoPE), zeros where ``mask`` is False. ``ready``: for CUDA caches, an
+    event recorded on ``into.stream`` after the last copy and kernel of the fetch (the
+    stream itself is ordered already; another stream waits on it with
+    ``stream.wait_event(ready)``, the host with ``ready.synchronize()``); None otherwise.
     """
 
     plan: ReusePlan
@@ -62,6 +76,7 @@ class FetchResult:
     mask: torch.Tensor
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
     @property
     def placed_tokens(self) -> int:
@@ -107,6 +122,23 @@ class BlockPlacer:
     rope: RopeSpec
     v_head_dim: int
     metrics: ClientMetrics
+    # Pinned buffers for blocks on their way to a GPU cache (used on the worker thread only).
+    staging: StagingRing = field(default_factory=StagingRing, compare=False, repr=False)
+
+    def warm_up(self, device: torch.device) -> None:
+        """Compile the kernels a fetch and a store launch on CUDA ``device``, ahead of time.
+
+        Triton compiles a kernel variant on its first launch (seconds); the variants
+        depend on the model only, so this takes that cost once at start-up, not on the
+        first request.
+        """
+        if device.type != "cuda":
+            return
+        from nopecache.kernels.triton_rope import warm_up
+
+        fp = self.prefix_fingerprint
+        with torch.cuda.device(device):
+            warm_up(self.rope, fp.torch_dtype, fp.num_kv_heads, self.v_head_dim, device)
 
     def outputs(self, num_tokens: int) -> Outputs:
         """Uninitialised contiguous K and V for a prompt (V None for MLA)."""
@@ -137,7 +169,7 @@ class BlockPlacer:
             for hit in hits:
                 block = decode_for_hit(blob, hit, prompt, fp, self.v_head_dim)
                 if into is not None:
-                    place_paged(block, hit, into, self.rope)
+                    place_paged(block, hit, into, self.rope, self.staging)
                 else:
                     assert out is not None
                     place_contiguous(block, hit, out[0], out[1], self.rope)
@@ -255,6 +287,8 @@ class Download:
         placed.sort(key=_by_target)
         failed.sort(key=_by_target)
         seconds = time.perf_counter() - self.start
+        # Every job has returned: all of the fetch's work is issued on into's stream.
+        ready = None if into is None else into.record_ready()
         mask = torch.zeros(self.plan.num_tokens, dtype=torch.bool)
         for hit in placed:
             mask[hit.target.start : hit.target.end] = True
@@ -267,6 +301,7 @@ class Download:
             mask,
             None if out is None else out[0],
             None if out is None else out[1],
+            ready,
         )
         if out is not None:
             for span in result.misses:

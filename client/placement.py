@@ -23,12 +23,26 @@ no temporary copies. Two destinations:
 
 Placement functions trust their arguments to be consistent (the client checks the block
 against the hit and the model before calling them); :class:`PagedKV` validates itself.
+
+CUDA caches: device, stream, host syncs
+    Placement runs on the client's worker thread, whose current device and stream are not
+    the engine's. A :class:`PagedKV` captures, when it is built on the engine's thread, the
+    caches' device and that thread's current stream on it (or the ``stream`` it is given);
+    every copy and kernel of the fetch is issued on that device and stream. Work the
+    engine enqueues on the same stream after ``fetch`` returns is ordered after the
+    placement by CUDA itself; another stream must ``wait_event(result.ready)`` (the event
+    ``fetch`` records after the last launch), and host code ``result.ready.synchronize()``.
+    Building a PagedKV copies its slot mapping to the host once (one sync, to validate it);
+    placing a block then makes no device-to-host transfer: slot runs are read from that
+    host copy and the kernels skip their own value checks. Blocks travel through a
+    :class:`StagingRing` of pinned buffers with ``non_blocking`` copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,7 +52,7 @@ from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.plan import Hit
 from nopecache.kernels import RopeSpec, rerope_scatter_layers
-from nopecache.kernels.api import Positions, rotate
+from nopecache.kernels.api import MAX_POSITION, Positions, rotate
 from nopecache.proto.block import (
     BlockMismatchError,
     BytesLike,
@@ -49,6 +63,7 @@ from nopecache.proto.block import (
 
 __all__ = [
     "PagedKV",
+    "StagingRing",
     "decode_for_hit",
     "place_contiguous",
     "place_paged",
@@ -83,11 +98,15 @@ class PagedKV:
     kv_heads, head_dim]`` (vLLM layout; slot ``s`` is row ``s`` of the flattened first two
     dims). ``v_caches`` is None for MLA (the latent holds everything). ``slot_mapping``:
     int64 ``[prompt_tokens]``, the slot of every prompt position, ``-1`` to skip one.
+    ``stream``: the CUDA stream placement runs on; None = the current stream of the
+    caches' device on the thread that builds this PagedKV (see the module docstring).
     """
 
     k_caches: Sequence[torch.Tensor]
     v_caches: Sequence[torch.Tensor] | None
     slot_mapping: torch.Tensor
+    stream: torch.cuda.Stream | None = None
+    slots_host: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.k_caches, torch.Tensor) or not isinstance(self.k_caches, Sequence):
@@ -137,13 +156,28 @@ class PagedKV:
             raise InvalidArgumentError(
                 "slot_mapping", f"on {slots.device}, the caches are on {first.device}"
             )
-        if slots.numel():
-            lo, hi = int(slots.min()), int(slots.max())
+        # The one device-to-host copy of a fetch: validation and every per-block decision
+        # read this host copy.
+        host = slots.cpu().numpy()
+        if host.size:
+            lo, hi = int(host.min()), int(host.max())
             if lo < -1 or hi >= self.num_slots:
                 raise InvalidArgumentError(
                     "slot_mapping",
                     f"values must be -1 or in [0, {self.num_slots}), got range [{lo}, {hi}]",
                 )
+        object.__setattr__(self, "slots_host", host)
+        if first.device.type == "cuda":
+            stream = self.stream
+            if stream is None:
+                stream = torch.cuda.current_stream(first.device)
+            elif not isinstance(stream, torch.cuda.Stream) or stream.device != first.device:
+                raise InvalidArgumentError(
+                    "stream", f"must be a torch.cuda.Stream on {first.device}, got {stream!r}"
+                )
+            object.__setattr__(self, "stream", stream)
+        elif self.stream is not None:
+            raise InvalidArgumentError("stream", f"given for caches on {first.device}")
 
     @property
     def num_layers(self) -> int:
@@ -180,6 +214,64 @@ class PagedKV:
     def device(self) -> torch.device:
         """Where the caches live."""
         return self.k_caches[0].device
+
+    @contextlib.contextmanager
+    def issuing(self) -> Iterator[None]:
+        """Make the caches' device and the captured stream current (CUDA; else nothing)."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            yield
+
+    def record_ready(self) -> torch.cuda.Event | None:
+        """An event recorded on the stream after all work issued so far (None off CUDA)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+class StagingRing:
+    """Pinned host buffers that carry blocks to a GPU with ``non_blocking`` copies.
+
+    A block arrives in pageable memory (its receive buffer, which goes back to a pool the
+    moment placement returns). ``to_device`` copies a tensor into the next pinned buffer
+    (one host copy, which also makes a sliced block contiguous: ``.to(device)`` would
+    have made it contiguous in a temporary first, then copied synchronously through the
+    driver's own staging), starts the DMA on the current stream and records an event;
+    a buffer is written again only after its event completed, so a copy in flight never
+    sees its source change. ``slots`` buffers allow that many copies in flight; each grows
+    to the largest tensor it has carried. Used from one thread (the client's worker).
+    """
+
+    def __init__(self, slots: int = 4) -> None:
+        """A ring of ``slots`` buffers, allocated on first use."""
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` (host) as a new tensor on CUDA ``device``, copied on the current stream."""
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()  # the copy out of this buffer finished
+        nbytes = t.numel() * t.element_size()
+        buffer = self._buffers[i]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._buffers[i] = buffer
+        staged = buffer[:nbytes].view(t.dtype).view(t.shape)
+        staged.copy_(t)
+        out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        out.copy_(staged, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        self._events[i] = done
+        return out
 
 
 def decode_for_hit(
@@ -240,52 +332,88 @@ def source_positions(block: DecodedBlock, hit: Hit) -> Positions | None:
     return torch.from_numpy(pos)
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _on(t: torch.Tensor, device: torch.device, staging: StagingRing | None) -> torch.Tensor:
     # Blocks decode on the host; a GPU cache gets them with one transfer per tensor.
-    return t if t.device == device else t.to(device)
+    if t.device == device:
+        return t
+    if staging is not None and device.type == "cuda":
+        return staging.to_device(t, device)
+    return t.to(device)
 
 
 def _positions_on(pos: Positions | None, device: torch.device) -> Positions | None:
-    return pos.to(device) if isinstance(pos, torch.Tensor) else pos
+    if not isinstance(pos, torch.Tensor):
+        return pos
+    # Checked here, on the host, so that the kernel needs no device-side check (a sync).
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) > MAX_POSITION):
+        raise BlockMismatchError(f"source_positions: outside [0, {MAX_POSITION}]")
+    return pos.to(device)
 
 
-def _slots_run(slots: torch.Tensor) -> int | None:
+def _slots_run(slots: np.ndarray) -> int | None:
     """The first slot when ``slots`` are ``s, s+1, ...`` (all placed), else None."""
-    n = slots.numel()
+    n = slots.size
     first = int(slots[0])
     if first < 0:
         return None
-    if n == 1 or (int(slots[-1]) - first == n - 1 and bool((slots.diff() == 1).all())):
+    if n == 1 or (int(slots[-1]) - first == n - 1 and bool((np.diff(slots) == 1).all())):
         return first
     return None
 
 
-def place_paged(block: DecodedBlock, hit: Hit, into: PagedKV, spec: RopeSpec) -> None:
-    """Write the hit's K (rotated to its target positions) and V into the paged cache."""
+def place_paged(
+    block: DecodedBlock,
+    hit: Hit,
+    into: PagedKV,
+    spec: RopeSpec,
+    staging: StagingRing | None = None,
+) -> None:
+    """Write the hit's K (rotated to its target positions) and V into the paged cache.
+
+    On CUDA every transfer and kernel is issued on ``into``'s device and stream, K and V
+    through ``staging`` when given (else synchronous copies), with no device sync.
+    """
+    with into.issuing():
+        _place_paged(block, hit, into, spec, staging)
+
+
+def _place_paged(
+    block: DecodedBlock,
+    hit: Hit,
+    into: PagedKV,
+    spec: RopeSpec,
+    staging: StagingRing | None,
+) -> None:
     src, dst = hit.source, hit.target
     device = into.device
-    k = _on(block.k[:, src.start : src.end], device)
-    v = None if block.v is None else _on(block.v[:, src.start : src.end], device)
+    k = _on(block.k[:, src.start : src.end], device, staging)
+    v = None if block.v is None else _on(block.v[:, src.start : src.end], device, staging)
     slots = into.slot_mapping[dst.start : dst.end]
     from_pos = _positions_on(source_positions(block, hit), device)
     if from_pos is None:
-        rerope_scatter_layers(k, v, dst.start, slots, into.k_caches, into.v_caches, spec)
+        # PagedKV checked the slots, dst.start is a host int: no value checks (no sync).
+        rerope_scatter_layers(
+            k, v, dst.start, slots, into.k_caches, into.v_caches, spec, check_values=False
+        )
         return
     # ROPE: K is post-RoPE already; a copy when it sits at the target positions, else one
     # rotation by the difference (never through nope form: that would round twice).
     same = isinstance(from_pos, int) and from_pos == dst.start
-    keep = slots >= 0
+    host_slots = into.slots_host[dst.start : dst.end]
+    keep = host_slots >= 0
     if not bool(keep.all()):
-        idx = keep.nonzero().squeeze(1)
-        if idx.numel() == 0:
+        idx_host = np.flatnonzero(keep)
+        if idx_host.size == 0:
             return
+        host_slots = host_slots[idx_host]
+        idx = torch.from_numpy(idx_host).to(device)
         k, slots = k.index_select(1, idx), slots.index_select(0, idx)
         v = None if v is None else v.index_select(1, idx)
         to_pos: Positions = dst.start + idx
         from_pos = (from_pos + idx) if isinstance(from_pos, int) else from_pos[idx]
     else:
         to_pos = dst.start
-    run = _slots_run(slots)
+    run = _slots_run(host_slots)
     heads, head_dim = into.num_kv_heads, into.head_dim
     buffer = None if same or run is not None else torch.empty_like(k[0])
     for layer, k_cache in enumerate(into.k_caches):
@@ -295,12 +423,13 @@ def place_paged(block: DecodedBlock, hit: Hit, into: PagedKV, spec: RopeSpec) ->
             if same:
                 rows.copy_(k[layer])
             else:
-                rotate(k[layer], from_pos, to_pos, spec, out=rows)
+                rotate(k[layer], from_pos, to_pos, spec, out=rows, check_values=False)
         elif same:
             flat.index_copy_(0, slots, k[layer])
         else:
             assert buffer is not None
-            flat.index_copy_(0, slots, rotate(k[layer], from_pos, to_pos, spec, out=buffer))
+            rotated = rotate(k[layer], from_pos, to_pos, spec, out=buffer, check_values=False)
+            flat.index_copy_(0, slots, rotated)
     if v is not None and into.v_caches is not None:
         for layer, v_cache in enumerate(into.v_caches):
             v_flat = v_cache.view(-1, heads, v_cache.shape[-1])
@@ -321,7 +450,7 @@ def place_contiguous(
     output tensors, rows ``hit.target``."""
     src, dst = hit.source, hit.target
     device = k_out.device
-    k = _on(block.k[:, src.start : src.end], device)
+    k = _on(block.k[:, src.start : src.end], device, None)
     from_pos = _positions_on(source_positions(block, hit), device)
     same = isinstance(from_pos, int) and from_pos == dst.start
     if same:

@@ -30,6 +30,16 @@ Attention scaling (YaRN mscale, LongRoPE factor)
     positions                   positions                   nothing (factor kept as is)
     ==========================  ==========================  ===========================
 
+Value checks and device syncs
+    Shapes, dtypes, devices and int starts are checked on the host at no device cost. The
+    range of a position or slot *tensor* needs its values: on CUDA that is one
+    device-to-host copy per call (all tensors of the call at once), a sync that stalls
+    the launching thread. ``check_values=False`` skips it for callers that checked once
+    (``PagedKV`` checks its slot mapping when built): the kernel then still skips any slot
+    outside ``[0, num_slots)`` instead of writing out of the cache, and a position outside
+    ``[0, MAX_POSITION]`` gives wrong K for that token, never a bad memory access. CPU
+    tensors are always checked (no sync to save).
+
 Dims outside ``[spec.rotary_offset, spec.rotary_offset + spec.rotary_dim)`` (partial
 rotary, the MLA latent) are copied through unchanged and unscaled.
 """
@@ -59,12 +69,18 @@ def rotate(
     to_pos: Positions | None,
     spec: RopeSpec,
     out: torch.Tensor | None = None,
+    *,
+    check_values: bool = True,
 ) -> torch.Tensor:
-    """Rotate K ``[tokens, kv_heads, head_dim]`` from ``from_pos`` to ``to_pos``; ``None`` = nope."""
+    """Rotate K ``[tokens, kv_heads, head_dim]`` from ``from_pos`` to ``to_pos``; ``None`` = nope.
+
+    ``check_values=False`` skips the range check of position tensors on CUDA (see the
+    module docstring); CPU tensors are always checked.
+    """
     if _on_cuda(k):
         from nopecache.kernels.triton_rope import rotate_triton
 
-        return rotate_triton(k, from_pos, to_pos, spec, out)
+        return rotate_triton(k, from_pos, to_pos, spec, out, check_values=check_values)
     validate_rotate(k, from_pos, to_pos, spec, out)
     return reference.rotate_reference(k, from_pos, to_pos, spec, out)
 
@@ -77,6 +93,8 @@ def rerope_scatter(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     spec: RopeSpec,
+    *,
+    check_values: bool = True,
 ) -> None:
     """Rotate nope K to ``positions`` and write K and V into a paged cache at ``slot_mapping``.
 
@@ -90,7 +108,9 @@ def rerope_scatter(
     if _on_cuda(k_nope):
         from nopecache.kernels.triton_rope import rerope_scatter_triton
 
-        rerope_scatter_triton(k_nope, v, positions, slot_mapping, k_cache, v_cache, spec)
+        rerope_scatter_triton(
+            k_nope, v, positions, slot_mapping, k_cache, v_cache, spec, check_values=check_values
+        )
         return
     validate_scatter(k_nope, v, positions, slot_mapping, k_cache, v_cache, spec)
     reference.rerope_scatter_reference(k_nope, v, positions, slot_mapping, k_cache, v_cache, spec)
@@ -104,6 +124,8 @@ def rerope_scatter_layers(
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor] | None,
     spec: RopeSpec,
+    *,
+    check_values: bool = True,
 ) -> None:
     """``rerope_scatter`` for all layers ``[layers, tokens, ...]`` into per-layer caches.
 
@@ -113,7 +135,16 @@ def rerope_scatter_layers(
     if _on_cuda(k_nope):
         from nopecache.kernels.triton_rope import rerope_scatter_layers_triton
 
-        rerope_scatter_layers_triton(k_nope, v, positions, slot_mapping, k_caches, v_caches, spec)
+        rerope_scatter_layers_triton(
+            k_nope,
+            v,
+            positions,
+            slot_mapping,
+            k_caches,
+            v_caches,
+            spec,
+            check_values=check_values,
+        )
         return
     validate_scatter_layers(k_nope, v, positions, slot_mapping, k_caches, v_caches, spec)
     reference.rerope_scatter_layers_reference(
@@ -130,6 +161,8 @@ def validate_rotate(
     to_pos: Positions | None,
     spec: RopeSpec,
     out: torch.Tensor | None,
+    *,
+    check_values: bool = True,
 ) -> None:
     """Raise ``ValueError`` naming the first argument of ``rotate`` that is not acceptable."""
     _check_spec(spec)
@@ -152,7 +185,8 @@ def validate_rotate(
         _check_rows("out", out)
         if not _same_view(out, k) and _overlap(out, k):
             raise ValueError("out: overlaps k without being the same view (in place needs out=k)")
-    _check_ranges(ranges)
+    if check_values:
+        _check_ranges(ranges)
 
 
 def validate_scatter(
@@ -163,6 +197,8 @@ def validate_scatter(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     spec: RopeSpec,
+    *,
+    check_values: bool = True,
 ) -> None:
     """Raise ``ValueError`` naming the first argument of ``rerope_scatter`` not acceptable."""
     _check_spec(spec)
@@ -172,7 +208,14 @@ def validate_scatter(
         _check_float_tensor("v", v, 3)
         _check_rows("v", v)
     _check_scatter_common(
-        k_nope, v, positions, slot_mapping, [k_cache], None if v_cache is None else [v_cache], spec
+        k_nope,
+        v,
+        positions,
+        slot_mapping,
+        [k_cache],
+        None if v_cache is None else [v_cache],
+        spec,
+        check_values,
     )
 
 
@@ -184,6 +227,8 @@ def validate_scatter_layers(
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor] | None,
     spec: RopeSpec,
+    *,
+    check_values: bool = True,
 ) -> None:
     """Raise ``ValueError`` naming the first argument of ``rerope_scatter_layers`` not acceptable."""
     _check_spec(spec)
@@ -212,6 +257,7 @@ def validate_scatter_layers(
         list(k_caches),
         None if v_caches is None else list(v_caches),
         spec,
+        check_values,
     )
 
 
@@ -237,6 +283,7 @@ def _check_scatter_common(
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor] | None,
     spec: RopeSpec,
+    check_values: bool,
 ) -> None:
     """Checks shared by the one-layer and the all-layers scatter (leading layer dim aside)."""
     tokens, heads, head_dim = k_nope.shape[-3:]
@@ -274,7 +321,8 @@ def _check_scatter_common(
                 f"{k_name}'s {tuple(first.shape[:2])}"
             )
     ranges.append(("slot_mapping", slot_mapping, -1, capacity - 1))
-    _check_ranges(ranges)
+    if check_values:
+        _check_ranges(ranges)
 
 
 def _check_caches(

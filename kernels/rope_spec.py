@@ -86,7 +86,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import xxhash
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -249,6 +248,9 @@ class RopeSpec:
 
     def digest(self) -> bytes:
         """Stable 16-byte digest of every field (xxh3-128 over a fixed little-endian encoding)."""
+        # Imported here: the kernels need only torch and triton (a bare GPU image runs them).
+        import xxhash
+
         kind = self.scaling_type.encode()
         h = xxhash.xxh3_128()
         h.update(

@@ -97,6 +97,10 @@ def test_paged_kv_reports_its_geometry() -> None:
     assert (paged.num_layers, paged.num_slots, paged.num_kv_heads) == (LAYERS, 12, HEADS)
     assert (paged.head_dim, paged.v_head_dim, paged.dtype) == (DIM, DIM, torch.float32)
     assert isinstance(paged.k_caches, tuple)
+    # The host copy every per-block decision reads (no device sync per block); no stream
+    # and no event off CUDA.
+    assert paged.slots_host.tolist() == [0, 5, -1]
+    assert paged.stream is None and paged.record_ready() is None
 
 
 @pytest.mark.parametrize(
@@ -120,6 +124,7 @@ def test_paged_kv_reports_its_geometry() -> None:
         ({"slot_mapping": torch.tensor([0, 12])}, "values must be -1 or in [0, 12), got range"),
         ({"slot_mapping": torch.tensor([-2, 0])}, "got range [-2, 0]"),
         ({"slot_mapping": [0, 1]}, "slot_mapping: must be a tensor"),
+        ({"stream": object()}, "stream: given for caches on cpu"),
     ],
 )
 def test_paged_kv_rejects_bad_fields_by_name(change: dict[str, object], message: str) -> None:

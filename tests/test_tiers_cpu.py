@@ -24,8 +24,8 @@ from nopecache.cache_server.tiers import (
     TierConfigError,
     tier_from_url,
 )
-from nopecache.cache_server.tiers.cpu import CpuTier
-from nopecache.cache_server.tiers.cuda import CudaTier, CudaUnavailableError
+from nopecache.cache_server.tiers.cpu import CpuTier, _parse_pinned
+from nopecache.cache_server.tiers.cuda import CudaUnavailableError
 
 PAGE = 100
 
@@ -46,7 +46,7 @@ def test_url_builds_a_pool_of_whole_pages() -> None:
     assert tier.capacity_bytes == 768
     assert tier.page_bytes == 256
     assert tier.max_blob_bytes == 768
-    assert tier.pinned is torch.cuda.is_available()
+    assert tier.pinned is False  # off by default: no server path DMAs from this pool
     stats = asyncio.run(tier.stats())
     assert (stats.name, stats.url, stats.used_bytes, stats.capacity_bytes) == (
         "cpu",
@@ -327,7 +327,8 @@ _LAZY_POOL_SCRIPT = textwrap.dedent(
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     before = rss()
-    tier = tier_from_url("cpu://?capacity=64MiB&page=64KiB")
+    pinned = f"&pinned={sys.argv[2]}" if sys.argv[2] else ""  # "": the default
+    tier = tier_from_url("cpu://?capacity=64MiB&page=64KiB" + pinned)
     grown = rss() - before
     assert asyncio.run(tier.put(b"k", b"x" * 100_000)).status.name == "STORED"
     assert asyncio.run(tier.get(b"k")) == b"x" * 100_000
@@ -337,6 +338,19 @@ _LAZY_POOL_SCRIPT = textwrap.dedent(
 _GPU_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
+def test_pinned_is_off_by_default_and_never_imports_torch() -> None:
+    # Off, not auto: with a GPU present auto would pin (and create a CUDA context).
+    assert _parse_pinned({}, "cpu://?capacity=1KiB") is False
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAZY_POOL_SCRIPT, "allowed", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", str(64 * 1024**2), "True", "False"]
+
+
 @pytest.mark.parametrize("torch_import", ["blocked", "allowed"])
 def test_pinned_auto_without_a_gpu_neither_imports_torch_nor_touches_the_pool(
     torch_import: str,
@@ -344,7 +358,7 @@ def test_pinned_auto_without_a_gpu_neither_imports_torch_nor_touches_the_pool(
     """pinned=auto builds an unpinned pool where torch cannot even be imported, imports torch
     only when a GPU device file exists, and a 64 MiB pool does not add 64 MiB to RSS."""
     proc = subprocess.run(
-        [sys.executable, "-c", _LAZY_POOL_SCRIPT, torch_import],
+        [sys.executable, "-c", _LAZY_POOL_SCRIPT, torch_import, "auto"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -359,27 +373,6 @@ def test_pinned_auto_without_a_gpu_neither_imports_torch_nor_touches_the_pool(
         assert (pinned, torch_loaded) == ("False", "False")
     else:
         assert torch_loaded == "True"
-
-
-@pytest.mark.gpu
-@pytest.mark.asyncio
-async def test_cuda_tier_round_trip_and_lru() -> None:
-    tier = tier_from_url("cuda://0?capacity=4KiB&page=1KiB")
-    assert isinstance(tier, CudaTier)
-    blobs = [blob_of(i, 1000 + i) for i in range(5)]
-    for i in range(4):
-        assert (await tier.put(b"k%d" % i, blobs[i])).status is PutStatus.STORED
-    assert await tier.get(b"k0") == blobs[0]
-    result = await tier.put(b"k4", blobs[4])
-    assert result == PutResult(PutStatus.STORED, (Evicted(b"k1", blobs[1]),))
-    await tier.delete(b"k2")
-    await tier.delete(b"k0")
-    scattered = blob_of(9, 2048 + 5)  # 3 pages across the holes (one must be evicted)
-    await tier.put(b"s", scattered)
-    assert await tier.get(b"s") == scattered
-    assert await tier.get(b"k4") == blobs[4]
-    tier.check_invariants()
-    await tier.close()
 
 
 def test_get_into_copies_the_pages_straight_into_the_buffer() -> None:

@@ -4,7 +4,7 @@
 URL                                                    tier
 =====================================================  ==================================
 ``cuda://0?capacity=8GiB[&page=64KiB]``                :class:`~.cuda.CudaTier`
-``cpu://?capacity=8GiB[&page=64KiB][&pinned=auto]``    :class:`~.cpu.CpuTier`
+``cpu://?capacity=8GiB[&page=64KiB][&pinned=no]``      :class:`~.cpu.CpuTier`
 ``redis://[:password@]host:port/db?ttl=&timeout=``     :class:`~.redis.RedisTier`
 ``rediss://...`` (TLS, redis-py's ``ssl_*`` options)   :class:`~.redis.RedisTier`
 ``redis+cluster://host:port,host:port?...``            :class:`~.redis.RedisTier` (Cluster)

@@ -311,7 +311,13 @@ class PagedTier(Tier):
 
 
 class CpuTier(PagedTier):
-    """Blocks in one preallocated host buffer (page-locked when CUDA is present)."""
+    """Blocks in one preallocated host buffer (page-locked only when asked: ``pinned``).
+
+    ``pinned`` defaults to False: no server path copies between this pool and a GPU (the
+    CUDA tier stages through its own pinned buffers), and pinning locks the whole pool
+    in RAM up front and creates a CUDA context. ``None`` (``pinned=auto``) pins when CUDA
+    is present, ``True`` (``pinned=yes``) requires it.
+    """
 
     name: ClassVar[TierName] = "cpu"
 
@@ -320,7 +326,7 @@ class CpuTier(PagedTier):
         capacity_bytes: int,
         *,
         page_bytes: int = DEFAULT_PAGE_BYTES,
-        pinned: bool | None = None,
+        pinned: bool | None = False,
         url: str | None = None,
     ) -> None:
         url = url or f"cpu://?capacity={capacity_bytes}&page={page_bytes}"
@@ -329,7 +335,7 @@ class CpuTier(PagedTier):
 
     @classmethod
     def from_url(cls, url: str) -> CpuTier:
-        """Build from ``cpu://?capacity=1GiB[&page=64KiB][&pinned=auto|yes|no]``."""
+        """Build from ``cpu://?capacity=1GiB[&page=64KiB][&pinned=no|auto|yes]`` (default no)."""
         parts = urlsplit(url)
         if parts.scheme != "cpu":
             raise TierConfigError(f"{url}: scheme must be cpu://")
@@ -379,7 +385,7 @@ class CpuTier(PagedTier):
 
 
 def _parse_pinned(options: dict[str, str], url: str) -> bool | None:
-    value = options.get("pinned", "auto").lower()
+    value = options.get("pinned", "no").lower()
     if value == "auto":
         return None
     if value in ("yes", "true", "1"):
