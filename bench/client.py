@@ -31,20 +31,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nopecache.client import (
     CacheClient,
@@ -61,54 +56,13 @@ from nopecache.client.transport import BufferPool, ServerConnection
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _quality_server import cache_server
+
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 PAGE = 16  # tokens per paged-cache block (vLLM's default)
 PREFIX_BLOCK = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def cache_server(capacity: str, log: Path) -> Iterator[str]:
-    """A server child on a free loopback port, SERVING when this yields its address."""
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "nopecache.cache_server",
-        "--port",
-        str(port),
-        "--no-metrics",
-        "--tier",
-        f"cpu://?capacity={capacity}&pinned=no",
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=out)
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-                with contextlib.suppress(grpc.RpcError):
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server did not start")
-                time.sleep(0.05)
-        yield address
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def best_of(reps: int, run: Callable[[], object]) -> float:

@@ -22,10 +22,23 @@ the configured capacity, and its RSS when idle before the load. What the RSS is 
 capacity; and 30-40 MiB of in-flight buffers under this load (gRPC messages, staged Put
 blocks, Get copies; ``tune_malloc`` keeps them for reuse). The fixed part makes the
 ratio capacity-dependent: about 1.10 at the default 1 GiB, about 1.4 at 256 MiB.
+Hostile clients (``--attack-seconds``, after the load; see ``bench/_hostile.py``): the
+server runs with bearer tokens, and beside one well-behaved *victim* (64-key Lookups back
+to back) and a filler that keeps the cache evicting, hostile tenants send compression
+bombs, Put streams that stop sending, Get streams that are never read, and a quota game
+(tiny blocks, then the same keys with big blocks once evicted). Measured against the
+server's own bounds: ``hostile_rss_over_budget`` is the peak RSS over the whole run
+divided by idle RSS + capacity + ``max_inflight_bytes`` (target <= 1.10);
+``victim_p99_ms`` the victim's Lookup p99 during the attack (target <= 50), beside its
+p99 alone before anything else ran (``victim_alone_p99_ms``, the baseline);
+``quota_overrun`` the gamer's largest real holding (its blocks a Lookup finds, in whole
+pages) over its quota (target <= 1.0).
+
 Last line::
 
     RESULT ops=... ops_per_s=... p50_ms=... p99_ms=... errors=... rss_mib=...
-           capacity_mib=... rss_over_capacity=...
+           capacity_mib=... rss_over_capacity=... hostile_rss_over_budget=...
+           victim_p99_ms=... victim_alone_p99_ms=... quota_overrun=...
 """
 
 from __future__ import annotations
@@ -44,6 +57,8 @@ from pathlib import Path
 
 import grpc
 import xxhash
+from _hostile import GOOD, attack, tokens_toml, victim_alone
+from _hostile import channel as tenant_channel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nopecache.proto import cache_pb2 as pb
@@ -55,6 +70,12 @@ CHANNELS = 8
 SIZES = (32 * 1024, 128 * 1024, 512 * 1024)
 FRAME = 4 * 1024 * 1024 - 4096  # the server's default max_frame_data_bytes
 _NOISE = random.Random(0).randbytes(max(SIZES) + 4096)
+# The server's bounds for the run (the hostile phase tests that they hold).
+INFLIGHT_BYTES = 384 * 1024 * 1024
+SERVER_LIMITS = (
+    *("--max-request-bytes", "64MiB", "--max-inflight-bytes", str(INFLIGHT_BYTES)),
+    *("--max-inflight-bytes-per-client", "128MiB", "--stream-idle-timeout-s", "3"),
+)
 
 
 def key_of(i: int) -> bytes:
@@ -97,12 +118,15 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = workdir / "server.log"
+        tokens = workdir / "tokens.toml"
+        tokens.write_text(tokens_toml())
         self.command = [
             sys.executable,
             *("-m", "nopecache.cache_server", "--host", "127.0.0.1", "--port", str(self.port)),
             *("--no-metrics", "--tier", f"cpu://?capacity={capacity}&pinned=no"),
             "--tune-malloc" if tune else "--no-tune-malloc",
             *("--max-streams-per-client", "1024", "--log-level", "WARNING"),
+            *("--auth-tokens-file", str(tokens), *SERVER_LIMITS),
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -194,10 +218,7 @@ class Load:
 
 async def run_load(address: str, load: Load) -> float:
     """Run the 64 tasks; the wall time they took."""
-    channels = [
-        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-        for _ in range(CHANNELS)
-    ]
+    channels = [tenant_channel(address, GOOD) for _ in range(CHANNELS)]
     stubs = [cache_pb2_grpc.KVCacheStub(c) for c in channels]
     started = time.monotonic()
     end = started + load.seconds
@@ -213,6 +234,11 @@ async def sample_rss(pid: int, peak: list[int], stop: asyncio.Event) -> None:
     while not stop.is_set():
         peak[0] = max(peak[0], rss_bytes(pid))
         await asyncio.sleep(0.1)
+
+
+def pct_ms(values: list[float], q: float) -> float:
+    """The q-quantile of ``values`` already in milliseconds (0 when empty)."""
+    return pct(values, q) / 1000
 
 
 def pct(values: list[float], q: float) -> float:
@@ -237,7 +263,10 @@ async def main_async(args: argparse.Namespace) -> int:
             load = Load(n_keys, args.seconds)
             peak, stop = [idle], asyncio.Event()
             sampler = asyncio.create_task(sample_rss(pid, peak, stop))
+            alone = await victim_alone(server.address, 3.0)
             elapsed = await run_load(server.address, load)
+            load_peak = peak[0]
+            hostile = await attack(server.address, args.attack_seconds)
             stop.set()
             await sampler
             after = rss_bytes(pid)
@@ -261,12 +290,27 @@ async def main_async(args: argparse.Namespace) -> int:
     )
     for error in load.errors[:10]:
         print(f"  error: {error}")
+    bound = idle + capacity + INFLIGHT_BYTES
+    print(
+        f"  hostile phase {args.attack_seconds:.0f} s: victim {len(hostile.victim_ms)} lookups "
+        f"(p50 {pct_ms(hostile.victim_ms, 0.5):.2f} ms), bombs refused {hostile.bombs_refused} "
+        f"stored {hostile.bombs_stored}, slow puts cut {hostile.puts_cut}, slow gets cut "
+        f"{hostile.gets_cut}, filler errors {hostile.filler_errors}, peak RSS "
+        f"{peak[0] / mib:.0f} MiB (load phase {load_peak / mib:.0f} MiB) against "
+        f"{bound / mib:.0f} MiB (idle + capacity + max_inflight_bytes)"
+    )
+    for note in hostile.notes[:10]:
+        print(f"  hostile: {note}")
     print(
         f"RESULT ops={ops} ops_per_s={ops / elapsed:.0f} p50_ms={pct(everything, 0.5):.2f} "
         f"p99_ms={pct(everything, 0.99):.2f} errors={len(load.errors)} "
-        f"rss_mib={peak[0] / mib:.0f} idle_rss_mib={idle / mib:.0f} "
-        f"inflight_mib={(peak[0] - idle) / mib:.0f} capacity_mib={args.capacity_mib} "
-        f"rss_over_capacity={peak[0] / capacity:.3f}"
+        f"rss_mib={load_peak / mib:.0f} idle_rss_mib={idle / mib:.0f} "
+        f"inflight_mib={(load_peak - idle) / mib:.0f} capacity_mib={args.capacity_mib} "
+        f"rss_over_capacity={load_peak / capacity:.3f} "
+        f"hostile_rss_over_budget={peak[0] / bound:.3f} "
+        f"victim_p99_ms={pct_ms(hostile.victim_ms, 0.99):.2f} "
+        f"victim_alone_p99_ms={pct_ms(alone, 0.99):.2f} "
+        f"quota_overrun={hostile.quota_overrun():.3f}"
     )
     return 0
 
@@ -280,6 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=1024,
         help="CPU tier capacity (default 1024: the server's default tier size)",
+    )
+    parser.add_argument(
+        "--attack-seconds",
+        type=float,
+        default=20.0,
+        help="duration of the hostile phase after the load (default 20)",
     )
     parser.add_argument(
         "--tune-malloc",

@@ -19,6 +19,13 @@ every hit comes through the connector):
    greedy continuation: top-1 agreement and KL (over the reference's top 20 logprobs) of
    ``load``'s next-token distributions against ``ref``'s.
 
+With ``--peer lmcache`` (never in ``make test``) scenario 1 runs again with LMCache's
+multiprocess connector (``lmcache server`` + ``LMCacheMPConnector``) in place of
+nopecache's, on the same prompts, and the line adds ``lmcache_ttft_speedup=...``. It needs
+``lmcache==0.5.6`` importable from ``--lmcache-overlay`` (default ``.lmcache-overlay``:
+``.venv-vllm/bin/pip install --no-deps --target .lmcache-overlay lmcache==0.5.6
+sortedcontainers aiofile caio opentelemetry-exporter-prometheus``).
+
 Last line: ``RESULT ttft_cold_ms=... ttft_cached_ms=... ttft_speedup=... claimed_tokens=...
 stored_prefix_tokens=... pi_claimed_tokens=... pi_top1=... pi_kl=...``.
 """
@@ -30,6 +37,7 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,7 +124,11 @@ def _wait_stored(address: str, timeout_s: float = 60.0) -> int:
         deadline = time.monotonic() + timeout_s
         last, since = -1, time.monotonic()
         while time.monotonic() < deadline:
-            n = sum(t.entries for t in stub.Stats(cache_pb2.StatsRequest(), timeout=5).tiers)
+            try:
+                reply = stub.Stats(cache_pb2.StatsRequest(), timeout=10)
+            except grpc.RpcError:  # a server busy storing on a loaded machine: ask again
+                continue
+            n = sum(t.entries for t in reply.tiers)
             if n != last:
                 last, since = n, time.monotonic()
             elif n > 0 and time.monotonic() - since > 1.0:
@@ -133,36 +145,53 @@ def _kl_top1(ref: dict[str, float], got: dict[str, float], target: int) -> tuple
     return max(kl, 0.0), int(best) == target
 
 
-def exact_prefix(store: EngineProc, load: EngineProc, address: str) -> dict[str, float]:
-    """Scenario 1: TTFT cold vs cached on ~1.5k-token prompts, interleaved, medians."""
-    cold, cached, claimed, stored_prefix = [], [], [], []
+Pair = tuple[EngineProc, EngineProc, str | None]  # store engine, load engine, server to watch
+
+
+def exact_prefix(pairs: dict[str, Pair]) -> dict[str, dict[str, float]]:
+    """Scenario 1: TTFT cold vs cached on ~1.5k-token prompts, medians of ROUNDS.
+
+    Every round runs each system (nopecache, and a peer if any) on the same prompts, one
+    after the other, so all see the same machine load.
+    """
+    runs: dict[str, dict[str, list[float]]] = {
+        name: {"cold": [], "cached": [], "claimed": [], "shared": []} for name in pairs
+    }
     for r in range(ROUNDS):
         doc = _document(100 + r, 68)
-        prompt = _chat(load, doc, [], "Which rule mentions the night train first?")
-        stored = _chat(store, doc, [], "Summarise the rules about bikes.")
-        out = load.generate(prompt, max_tokens=1)
-        assert out["cached"] == 0, "the cold run found something"
-        cold.append(out["seconds"])
-        store.generate(stored, max_tokens=1)
-        _wait_stored(address)
-        out = load.generate(prompt, max_tokens=1)
-        cached.append(out["seconds"])
-        claimed.append(out["cached"])
-        stored_prefix.append(common_prefix(prompt, stored))
-        print(
-            f"round {r}: prompt {len(prompt)} tokens, shared prefix {stored_prefix[-1]}, "
-            f"cold {cold[-1] * 1e3:.0f} ms, cached {cached[-1] * 1e3:.0f} ms "
-            f"({claimed[-1]} tokens claimed)",
-            flush=True,
-        )
-    c, w = statistics.median(cold), statistics.median(cached)
-    return {
-        "ttft_cold_ms": c * 1e3,
-        "ttft_cached_ms": w * 1e3,
-        "ttft_speedup": c / w,
-        "claimed_tokens": statistics.median(claimed),
-        "stored_prefix_tokens": statistics.median(stored_prefix),
-    }
+        for name, (store, load, address) in pairs.items():
+            got = runs[name]
+            prompt = _chat(load, doc, [], "Which rule mentions the night train first?")
+            stored = _chat(store, doc, [], "Summarise the rules about bikes.")
+            out = load.generate(prompt, max_tokens=1)
+            assert out["cached"] == 0, "the cold run found something"
+            got["cold"].append(out["seconds"])
+            store.generate(stored, max_tokens=1)
+            if address is not None:
+                _wait_stored(address)
+            else:
+                time.sleep(2.0)  # a peer's store: no entry count to watch
+            out = load.generate(prompt, max_tokens=1)
+            got["cached"].append(out["seconds"])
+            got["claimed"].append(out["cached"])
+            got["shared"].append(common_prefix(prompt, stored))
+            print(
+                f"round {r} {name}: prompt {len(prompt)} tokens, shared prefix "
+                f"{got['shared'][-1]:.0f}, cold {got['cold'][-1] * 1e3:.0f} ms, cached "
+                f"{got['cached'][-1] * 1e3:.0f} ms ({got['claimed'][-1]:.0f} tokens claimed)",
+                flush=True,
+            )
+    summary = {}
+    for name, got in runs.items():
+        c, w = statistics.median(got["cold"]), statistics.median(got["cached"])
+        summary[name] = {
+            "ttft_cold_ms": c * 1e3,
+            "ttft_cached_ms": w * 1e3,
+            "ttft_speedup": c / w,
+            "claimed_tokens": statistics.median(got["claimed"]),
+            "stored_prefix_tokens": statistics.median(got["shared"]),
+        }
+    return summary
 
 
 def truncated_history(store: EngineProc, load: EngineProc, ref: EngineProc) -> dict[str, float]:
@@ -200,9 +229,39 @@ def truncated_history(store: EngineProc, load: EngineProc, ref: EngineProc) -> d
     }
 
 
+def lmcache_peer(model: str, overlay: Path, work: Path) -> tuple[subprocess.Popen[bytes], Pair]:
+    """LMCache's multiprocess server and two engines with its connector (a running Pair)."""
+    port, http_port = free_ports(2)
+    env = {**os.environ, "PYTHONPATH": str(overlay), "LMCACHE_DISABLE_BANNER": "1"}
+    cmd = [sys.executable, str(overlay / "bin" / "lmcache"), "server", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--l1-size-gb", "1", "--no-l1-use-lazy"]
+    cmd += ["--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", str(http_port)]
+    cmd += ["--supported-transfer-mode", "auto", "--shm-name", f"nopecache-bench-{port}"]
+    with (work / "lmcache-server.log").open("wb") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    time.sleep(5)  # the server binds its ports
+    extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
+    store, load = (
+        EngineProc(
+            EngineConfig(
+                model=model,
+                connector=extra,
+                connector_class="LMCacheMPConnector",
+                connector_module=None,
+                env={"PYTHONPATH": str(overlay), "LMCACHE_DISABLE_BANNER": "1"},
+            ),
+            work / f"lmcache-{name}.log",
+        )
+        for name in ("store", "load")
+    )
+    return server, (store, load, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="vLLM model folder ($NOPECACHE_VLLM_MODEL)")
+    parser.add_argument("--peer", choices=["lmcache"], default=None, help="also run a peer")
+    parser.add_argument("--lmcache-overlay", type=Path, default=ROOT / ".lmcache-overlay")
     args = parser.parse_args()
 
     model = args.model or os.environ.get("NOPECACHE_VLLM_MODEL")
@@ -222,17 +281,31 @@ def main() -> None:
         "ref": EngineConfig(model=model),
     }
     procs = {name: EngineProc(cfg, work / f"{name}.log") for name, cfg in engines.items()}
+    pairs: dict[str, Pair] = {"nopecache": (procs["store"], procs["load"], server.address)}
+    peer_server = None
+    if args.peer == "lmcache":
+        peer_server, pairs["lmcache"] = lmcache_peer(model, args.lmcache_overlay, work)
+        procs["lmcache-store"], procs["lmcache-load"] = pairs["lmcache"][:2]
     try:
         for name, proc in procs.items():
             proc.start()
             proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
             print(f"engine {name} ready", flush=True)
-        result = exact_prefix(procs["store"], procs["load"], server.address)
+        summary = exact_prefix(pairs)
+        result = summary["nopecache"]
         result.update(truncated_history(procs["store"], procs["load"], procs["ref"]))
+        if "lmcache" in summary:
+            peer = summary["lmcache"]
+            result["lmcache_ttft_cached_ms"] = peer["ttft_cached_ms"]
+            result["lmcache_ttft_speedup"] = peer["ttft_speedup"]
+            result["lmcache_claimed_tokens"] = peer["claimed_tokens"]
     finally:
         for proc in procs.values():
             proc.stop()
         server.stop()
+        if peer_server is not None:
+            peer_server.terminate()
+            peer_server.wait(timeout=30)
     fields = " ".join(
         f"{k}={v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{k}={int(v)}"
         for k, v in result.items()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import logging
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -397,7 +398,11 @@ class RequestGate(grpc.aio.ServerInterceptor):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             client = await enter(context)
             try:
-                async for message in inner(request, context):
+                messages = inner(request, context)
+                if inspect.isawaitable(messages):  # a handler that writes with context.write
+                    await messages
+                    return
+                async for message in messages:
                     yield message
             finally:
                 limiter.release(client)

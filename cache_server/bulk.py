@@ -9,10 +9,16 @@ with ``recv_into`` straight into a pooled buffer.
 Control stays on gRPC: ``OpenBulk`` (authenticated like every call, so it knows the
 tenant) issues a one-use ticket valid for ``TICKET_TTL_S``; the connection presents it
 first and serves that tenant's keys from then on, one GET at a time, with the same
-checks as the gRPC Get (key count; sizes are the tier's own). Only plaintext servers
-offer it (with TLS the bytes would leave the encrypted channel); the listener binds the
-gRPC host on an ephemeral port, starts on the first OpenBulk and holds at most
-``MAX_CONNECTIONS`` connections.
+checks as the gRPC Get (key count; sizes are the tier's own; blocks of untrusted tiers
+verified by the store). Only plaintext servers offer it (with TLS the bytes would leave
+the encrypted channel); the listener binds the gRPC host on an ephemeral port, starts on
+the first OpenBulk and holds at most ``MAX_CONNECTIONS`` connections.
+
+Bounded like the gRPC Get (inflight.py): each connection holds a lease of the server's
+in-flight budget under the same owner a gRPC call of its client has (the tenant with
+auth, else the connection), and reserves the block it sends until it is sent; a full
+budget that stays full for ``stream_idle_timeout_s`` answers an ERROR naming it, and a
+reader that takes no bytes for that long has its connection closed.
 
 Concurrency: everything runs on the server's event loop (sockets non-blocking, loop
 ``sock_*`` calls); the ticket table and connection set change only between awaits.
@@ -29,6 +35,7 @@ import socket
 import time
 from collections.abc import Callable
 
+from nopecache.cache_server.inflight import InflightBudget, Lease, StreamCut
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tenants import Tenant, namespaced_keys
@@ -55,11 +62,14 @@ class BulkServer:
         host: str,
         max_keys: int,
         codes: dict[str | None, int],
+        inflight: InflightBudget,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """A listener (not started) serving ``store`` on ``host``."""
+        """A listener (not started) serving ``store`` on ``host``, its block bytes in
+        flight bounded by ``inflight`` (the service's budget)."""
         self._store = store
         self._metrics = metrics
+        self._inflight = inflight
         self._host = host
         self._max_keys = max_keys
         self._codes = codes
@@ -127,29 +137,55 @@ class BulkServer:
                 self._metrics.rejected("Bulk", "bad_ticket")
                 return
             await loop.sock_sendall(conn, MAGIC)
-            # The connection's send buffer: each block is copied into it by the tier
-            # (get_into, no blob allocated per block) and sent before the next is read.
-            buffer = bytearray()
-            while True:
-                head = await _recv_exact(loop, conn, COUNT.size, eof_ok=True)
-                if not head:
-                    return
-                (count,) = COUNT.unpack(head)
-                if count > self._max_keys:
-                    self._metrics.rejected("Bulk", "too_many_keys")
-                    await _send_error(
-                        loop,
-                        conn,
-                        f"GET key count: {count} keys exceeds max_keys_per_request "
-                        f"{self._max_keys}",
-                    )
-                    return
-                packed = await _recv_exact(loop, conn, count * KEY_BYTES)
-                buffer = await self._get(loop, conn, tenant, packed, buffer)
+            owner = tenant.name if tenant.namespace else _peer(conn)
+            with self._inflight.lease(owner) as lease:
+                await self._requests(loop, conn, tenant, lease)
+        except StreamCut as cut:
+            self._metrics.rejected("Bulk", cut.reason)
+            with contextlib.suppress(OSError):
+                await _send_error(loop, conn, cut.message)
         except (OSError, TimeoutError, EOFError) as e:
             log.debug("bulk connection ended: %s", e)
         finally:
             conn.close()
+
+    async def _requests(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, tenant: Tenant, lease: Lease
+    ) -> None:
+        """Serve the GETs of one welcomed connection until it closes (or is cut)."""
+        task = asyncio.current_task()
+        assert task is not None
+
+        def cut() -> None:  # a send the reader does not take in time ends the task
+            task.cancel()
+
+        lease.watch(cut)
+        # The connection's send buffer: each block is copied into it by the tier
+        # (get_into, no blob allocated per block) and sent before the next is read.
+        buffer = bytearray()
+        while True:
+            head = await _recv_exact(loop, conn, COUNT.size, eof_ok=True)
+            if not head:
+                return
+            (count,) = COUNT.unpack(head)
+            if count > self._max_keys:
+                self._metrics.rejected("Bulk", "too_many_keys")
+                await _send_error(
+                    loop,
+                    conn,
+                    f"GET key count: {count} keys exceeds max_keys_per_request {self._max_keys}",
+                )
+                return
+            packed = await _recv_exact(loop, conn, count * KEY_BYTES)
+            try:
+                buffer = await self._get(loop, conn, tenant, packed, buffer, lease)
+            except asyncio.CancelledError:
+                if not lease.stalled:
+                    raise
+                task.uncancel()
+                self._metrics.rejected("Bulk", "stream_slow_reader")
+                log.info("bulk connection of %s cut: %s", tenant.name, lease.slow_reader_cut("GET"))
+                return
 
     async def _get(
         self,
@@ -158,9 +194,11 @@ class BulkServer:
         tenant: Tenant,
         packed: bytes,
         buffer: bytearray,
+        lease: Lease,
     ) -> bytearray:
-        """Answer one GET: an ENTRY and the bytes of each key, in order; the send buffer
-        (grown to the largest block seen)."""
+        """Answer one GET: an ENTRY and the bytes of each key, in order, each block
+        reserved in ``lease`` while it is sent; the send buffer (grown to the largest
+        block seen)."""
         keys = (
             namespaced_keys(tenant.namespace, packed)
             if tenant.namespace
@@ -171,19 +209,36 @@ class BulkServer:
             for key in keys:
                 found = await self._store.get_into(key, memoryview(buffer))
                 if found is not None and found[0] > len(buffer):
-                    # Grown to the largest block seen, then reused for every later one.
+                    # Grown to the largest block seen (within the budget), then reused
+                    # for every later one.
+                    await lease.reserve(found[0], "bulk GET")
                     buffer = bytearray(found[0])
                     found = await self._store.get_into(key, memoryview(buffer))
                 if found is None:
-                    await loop.sock_sendall(conn, ENTRY.pack(0, 0))
+                    lease.release()
+                    await self._send(loop, conn, lease, ENTRY.pack(0, 0))
                     continue
                 size, tier = found
-                await loop.sock_sendall(conn, ENTRY.pack(self._codes[tier], size))
-                await loop.sock_sendall(conn, memoryview(buffer)[:size])
+                await lease.reserve(size - lease.held_bytes, "bulk GET")
+                await self._send(loop, conn, lease, ENTRY.pack(self._codes[tier], size))
+                await self._send(loop, conn, lease, memoryview(buffer)[:size])
+                lease.release()
                 sent += size
         self._metrics.get_bytes(sent)
         self._metrics.tenant_get_bytes(tenant.name, sent)
         return buffer
+
+    @staticmethod
+    async def _send(
+        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, data: bytes | memoryview
+    ) -> None:
+        """``sock_sendall``, watched by the lease's idle timer (a reader that takes
+        nothing for ``stream_idle_timeout_s`` gets the task cancelled)."""
+        lease.begin_wait()
+        try:
+            await loop.sock_sendall(conn, data)
+        finally:
+            lease.end_wait()
 
     async def close(self) -> None:
         """Stop listening and end every connection."""
@@ -197,6 +252,17 @@ class BulkServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+
+def _peer(conn: socket.socket) -> str:
+    """The connection's peer, written as gRPC writes a peer (``ipv4:host:port``)."""
+    try:
+        address = conn.getpeername()
+    except OSError:
+        return "bulk:unknown"
+    if conn.family == socket.AF_INET6:
+        return f"ipv6:[{address[0]}]:{address[1]}"
+    return f"ipv4:{address[0]}:{address[1]}"
 
 
 async def _recv_exact(

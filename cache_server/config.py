@@ -122,6 +122,14 @@ class ServerConfig:
         default=DEFAULT_METRICS_PORT,
         metadata=_opt(_INT, "metrics HTTP port; 0 picks a free port"),
     )
+    metrics_tenant_labels: bool = field(
+        default=False,
+        metadata=_opt(
+            _BOOL,
+            "also serve the per-tenant series (nopecache_tenant_*, they name tenants) on the "
+            "metrics port, which has no authentication: only where only operators reach it",
+        ),
+    )
     shutdown_grace_s: float = field(
         default=10.0,
         metadata=_opt(
@@ -196,6 +204,45 @@ class ServerConfig:
         ),
     )
 
+    # -- bounded memory (see README "Hardening") -------------------------------------------
+    max_inflight_bytes: int = field(
+        default=512 * 1024**2,
+        metadata=_opt(
+            _SIZE,
+            "block bytes all Put and Get streams together may hold in flight; streams wait "
+            "(back-pressure) when it is full",
+        ),
+    )
+    max_inflight_bytes_per_client: int = field(
+        default=256 * 1024**2,
+        metadata=_opt(
+            _SIZE,
+            "share of max_inflight_bytes one client may hold (its tenant with auth, its "
+            "connection without); at least max_request_bytes",
+        ),
+    )
+    stream_idle_timeout_s: float = field(
+        default=30.0,
+        metadata=_opt(
+            _FLOAT,
+            "a Put that sends no frame, a Get whose reader takes no frame, or a stream "
+            "that waits for the in-flight budget this long is cut",
+            "SECONDS",
+        ),
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata=_opt(
+            _INT, "most client connections the gRPC port holds open; more are closed at once"
+        ),
+    )
+    max_concurrent_rpcs: int = field(
+        default=1024,
+        metadata=_opt(
+            _INT, "most RPCs the server serves at once, all clients together; more are refused"
+        ),
+    )
+
     def __post_init__(self) -> None:
         for name in ("host", "metrics_host"):
             if not getattr(self, name):
@@ -237,6 +284,24 @@ class ServerConfig:
                 "tls_client_ca_file: client certificates need TLS; set tls_cert_file and "
                 "tls_key_file too"
             )
+        if not self.max_request_bytes <= self.max_inflight_bytes_per_client:
+            raise ConfigError(
+                f"max_inflight_bytes_per_client: {self.max_inflight_bytes_per_client} is below "
+                f"max_request_bytes {self.max_request_bytes}; one client's largest Put must fit"
+            )
+        if self.max_inflight_bytes < self.max_inflight_bytes_per_client:
+            raise ConfigError(
+                f"max_inflight_bytes: {self.max_inflight_bytes} is below "
+                f"max_inflight_bytes_per_client {self.max_inflight_bytes_per_client}"
+            )
+        if not self.stream_idle_timeout_s > 0:
+            raise ConfigError(
+                f"stream_idle_timeout_s: must be > 0, got {self.stream_idle_timeout_s}"
+            )
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections: must be >= 1, got {self.max_connections}")
+        if self.max_concurrent_rpcs < 1:
+            raise ConfigError(f"max_concurrent_rpcs: must be >= 1, got {self.max_concurrent_rpcs}")
         if self.max_streams_per_client < 1:
             raise ConfigError(
                 f"max_streams_per_client: must be >= 1, got {self.max_streams_per_client}"

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,13 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from nopecache.cache_server.auth import RequestGate, load_token_table
-from nopecache.cache_server.config import ConfigError, ServerConfig, load_config
+from nopecache.cache_server.config import (
+    ConfigError,
+    ServerConfig,
+    env_name,
+    flag_name,
+    load_config,
+)
 from nopecache.cache_server.metrics import MetricsEndpoint, ServerMetrics
 from nopecache.cache_server.service import (
     SERVICE_NAME,
@@ -48,6 +55,7 @@ from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tenants import ANONYMOUS, Tenant
 from nopecache.cache_server.tiers import TierError, redact_url
 from nopecache.cache_server.tls import load_server_tls
+from nopecache.cache_server.verify import BlockVerifier
 from nopecache.proto.allocator import tune_malloc
 
 __all__ = ["RunningServer", "main", "serve", "start_server", "tier_health_name", "tune_malloc"]
@@ -174,17 +182,25 @@ async def start_server(
         if tenant.quota_bytes:
             metrics.tenant_usage(tenant.name, 0, tenant.quota_bytes)
     store = TieredStore.from_urls(
-        config.tiers, write_through=config.write_through, observer=metrics
+        config.tiers,
+        write_through=config.write_through,
+        observer=metrics,
+        verify=BlockVerifier(config.max_block_bytes).check_stored,
+        max_blob_bytes=config.max_block_bytes,
     )
     endpoint: MetricsEndpoint | None = None
     try:
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
         server = grpc.aio.server(
             interceptors=[gate, *interceptors],
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 *config.grpc_options,
                 # Fail loudly if another process holds the port instead of sharing it.
                 ("grpc.so_reuseport", 0),
+                # Connections past the cap are closed as they arrive (each one costs
+                # transport buffers even while idle).
+                ("grpc.max_allowed_incoming_connections", config.max_connections),
             ],
         )
         add_to_server(service, server)
@@ -199,14 +215,34 @@ async def start_server(
             server,
         )
         target = f"{config.host}:{config.port}"
-        if credentials is None:
-            port = server.add_insecure_port(target)
-            # Plaintext: Get payloads may also take the bulk byte stream (bulk.py).
-            service.offer_bulk(config.host)
-        else:
-            port = server.add_secure_port(target, credentials)
+        check_bindable(config.host, config.port, "port", "host")
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(target)
+                # Plaintext: Get payloads may also take the bulk byte stream (bulk.py).
+                service.offer_bulk(config.host)
+            else:
+                port = server.add_secure_port(target, credentials)
+        except RuntimeError as e:  # gRPC says only "Failed to bind": the probe above did not
+            raise ConfigError(_bind_error("port", "host", config.host, config.port, str(e))) from e
         if config.metrics:
-            endpoint = metrics.serve(config.metrics_host, config.metrics_port)
+            check_bindable(config.metrics_host, config.metrics_port, "metrics_port", "metrics_host")
+            try:
+                endpoint = metrics.serve(
+                    config.metrics_host,
+                    config.metrics_port,
+                    tenant_labels=config.metrics_tenant_labels,
+                )
+            except OSError as e:
+                raise ConfigError(
+                    _bind_error(
+                        "metrics_port",
+                        "metrics_host",
+                        config.metrics_host,
+                        config.metrics_port,
+                        e.strerror or str(e),
+                    )
+                ) from e
         await server.start()
     except BaseException:
         await store.close()
@@ -261,6 +297,40 @@ async def serve(config: ServerConfig) -> int:
     return 0
 
 
+def _bind_error(option: str, host_option: str, host: str, port: int, why: str) -> str:
+    """The one-line start-up error for a port that cannot be bound, naming the options."""
+    return (
+        f"{option}: cannot listen on {host}:{port} ({why}); choose another port with "
+        f"{flag_name(option)} (or {env_name(option)}), or another address with "
+        f"{flag_name(host_option)}"
+    )
+
+
+def check_bindable(host: str, port: int, option: str, host_option: str) -> None:
+    """Raise ConfigError naming ``option`` unless ``host:port`` can be bound now.
+
+    Probed with a plain socket before gRPC or the metrics exporter try it, so a busy port
+    is one clear line (gRPC's own failure is a generic message plus a core log line).
+    Port 0 (any free port) always binds.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"{host_option}: cannot resolve {host!r} ({e.strerror})") from e
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # As the real listeners do: a port left in TIME_WAIT by a previous server is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(
+                _bind_error(option, host_option, host, port, e.strerror or str(e))
+            ) from e
+
+
 def _corrupt_counts(store: TieredStore) -> list[tuple[str, int]]:
     """(tier, damaged values found so far) for the tiers that detect damage (Redis)."""
     out: list[tuple[str, int]] = []
@@ -291,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(serve(config))
     except (TierError, ValueError) as e:
-        # A tier URL that parses as a URL but not as a tier (bad capacity, unknown scheme).
+        # A tier URL that parses as a URL but not as a tier (bad capacity, unknown scheme),
+        # or a port that cannot be bound (ConfigError naming --port / --metrics-port).
         print(f"nopecache-server: {e}", file=sys.stderr)
         return 2
 

@@ -34,7 +34,10 @@ Exposed families (counters carry Prometheus' ``_total`` suffix)::
     nopecache_tenant_quota_bytes{tenant}            the tenant's byte quota
 
 Tenant labels take only configured tenant names (or ``anonymous``), so their number is
-bounded by the token file, never by what clients send.
+bounded by the token file, never by what clients send. The metrics port has no
+authentication, so the ``nopecache_tenant_*`` families (they name tenants and show each
+one's traffic) are left out of what it serves unless ``--metrics-tenant-labels`` is on
+(for a metrics port only the operator can reach); they are always in ``registry``.
 
 Concurrency: the store calls the observer methods from the event loop thread; the HTTP
 exporter reads from its own thread. prometheus-client values are lock-protected, and the
@@ -44,17 +47,20 @@ per-label children are cached in plain dicts that only the event loop thread wri
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
+from prometheus_client.metrics_core import Metric
 
 __all__ = ["METHODS", "METRIC_NAMES", "MetricsEndpoint", "ServerMetrics", "TierSnapshot"]
 
 METHODS = ("Lookup", "Put", "Get", "Delete", "Stats")
+# Families that name tenants: served on the metrics port only with --metrics-tenant-labels.
+TENANT_PREFIX = "nopecache_tenant_"
 
 METRIC_NAMES = (
     "nopecache_hits_total",
@@ -310,6 +316,10 @@ class ServerMetrics:
             self._entries.labels(s.name).set(s.entries)
             self._healthy.labels(s.name).set(1 if s.healthy else 0)
 
+    def on_corrupt(self, tier: str, count: int) -> None:
+        """``count`` blobs read from ``tier`` failed verification (deleted, never served)."""
+        self._corrupt.labels(tier).inc(count)
+
     def corrupt_total(self, tier: str, total: int) -> None:
         """``tier`` has found ``total`` damaged values since start (a running count)."""
         seen = self._corrupt_seen.get(tier, 0)
@@ -338,6 +348,10 @@ class ServerMetrics:
         """``tenant`` was served ``n`` block bytes."""
         self._tenant_child("get", tenant, "").inc(n)
 
+    def tenant_used(self, tenant: str, used_bytes: int) -> None:
+        """The bytes charged to ``tenant`` changed (its blocks were dropped)."""
+        self._tenant_used.labels(tenant).set(used_bytes)
+
     def tenant_usage(self, tenant: str, used_bytes: int, quota_bytes: int) -> None:
         """The bytes charged to ``tenant`` and its quota."""
         self._tenant_used.labels(tenant).set(used_bytes)
@@ -361,12 +375,33 @@ class ServerMetrics:
         """The current metrics in the Prometheus text format."""
         return generate_latest(self.registry)
 
-    def serve(self, host: str, port: int) -> MetricsEndpoint:
-        """Start the HTTP exporter on ``host:port`` (0: a free port) in a daemon thread."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, *, tenant_labels: bool = False) -> MetricsEndpoint:
+        """Start the HTTP exporter on ``host:port`` (0: a free port) in a daemon thread;
+        the per-tenant families only with ``tenant_labels``."""
+        served: CollectorRegistry | _WithoutTenants = self.registry
+        if not tenant_labels:
+            served = _WithoutTenants(self.registry)
+        server, thread = start_http_server(port, addr=host, registry=served)
         return MetricsEndpoint(
             host=host, port=int(server.server_port), _server=server, _thread=thread
         )
+
+
+class _WithoutTenants:
+    """A registry as the unauthenticated metrics port serves it: no tenant families."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family of the registry except ``nopecache_tenant_*``."""
+        for family in self._registry.collect():
+            if not family.name.startswith(TENANT_PREFIX):
+                yield family
+
+    def restricted_registry(self, names: Iterable[str]) -> _WithoutTenants:
+        """The view over the registry restricted to ``names`` (the ``name[]`` query)."""
+        return _WithoutTenants(self._registry.restricted_registry(names))  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)

@@ -45,25 +45,33 @@ are passed to the server by ``main.start_server``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from importlib import metadata
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import NoReturn
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError, Message
 
 from nopecache.cache_server.bulk import TICKET_TTL_S, BulkServer
+from nopecache.cache_server.calls import (
+    ContextResolver,
+    MalformedRequest,
+    RequestContext,
+    default_context,
+    lenient_parser,
+    server_version,
+)
 from nopecache.cache_server.config import ServerConfig
+from nopecache.cache_server.inflight import InflightBudget, Lease, StreamCut
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.shm import ShmRequestError, ShmSessions, ShmTarget
 from nopecache.cache_server.store import BlobTooLargeError, PutOutcome, TieredStore
-from nopecache.cache_server.tenants import QuotaLedger, Tenant, current_tenant, namespaced_keys
+from nopecache.cache_server.tenants import QuotaLedger, Tenant, namespaced_keys, own_stats
 from nopecache.cache_server.tiers import redact_url
+from nopecache.cache_server.verify import BlockVerifier
 from nopecache.proto import cache_pb2 as pb
-from nopecache.proto.block import KEY_BYTES, BlockError, validate
+from nopecache.proto.block import KEY_BYTES
 from nopecache.proto.contract import API_VERSION, SERVICE_NAME
 from nopecache.proto.frames import WireError, decode_put_frame, encode_get_frame
 from nopecache.proto.shm_layout import host_id
@@ -85,54 +93,11 @@ __all__ = [
 # are still in cache, not after seven others were read).
 GET_WINDOW_KEYS = 8
 GET_WINDOW_BYTES = 8 * 1024 * 1024
+# A Put of thousands of tiny blocks gives other calls a turn of the event loop this often.
+YIELD_EVERY_BLOCKS = 64
 _KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestContext:
-    """Who is calling: the peer address and the tenant whose namespace the call uses."""
-
-    peer: str
-    tenant: Tenant
-
-
-ContextResolver = Callable[[grpc.aio.ServicerContext], RequestContext]
-
-
-def default_context(context: grpc.aio.ServicerContext) -> RequestContext:
-    """The peer, and the tenant the request gate set for this call (else ANONYMOUS)."""
-    return RequestContext(peer=context.peer(), tenant=current_tenant())
-
-
-@dataclass(frozen=True, slots=True)
-class MalformedRequest:
-    """A request that is not valid protobuf wire format for ``message_type``."""
-
-    message_type: str
-    error: str
-
-
-def _lenient_parser(cls: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
-    """A request deserializer that returns MalformedRequest instead of raising."""
-    name = cls.DESCRIPTOR.full_name
-
-    def parse(raw: bytes) -> Message | MalformedRequest:
-        try:
-            return cls.FromString(raw)
-        except DecodeError as e:
-            return MalformedRequest(name, str(e))
-
-    return parse
-
-
-def server_version() -> str:
-    """The installed nopecache package version."""
-    try:
-        return metadata.version("nopecache")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 # -- request handling ------------------------------------------------------------------------
@@ -214,7 +179,14 @@ class KVCacheService:
         self._config = config
         self._metrics = metrics
         self._resolve = resolve_context
-        self.quotas = quotas if quotas is not None else QuotaLedger()
+        self.quotas = quotas if quotas is not None else QuotaLedger(unit_bytes=store.page_bytes)
+        store.drop_listeners.append(self._on_dropped)
+        self.verifier = BlockVerifier(config.max_block_bytes)
+        self.inflight = InflightBudget(
+            config.max_inflight_bytes,
+            config.max_inflight_bytes_per_client,
+            config.stream_idle_timeout_s,
+        )
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
         # The bulk byte stream (bulk.py), offered by plaintext servers (offer_bulk).
@@ -238,6 +210,11 @@ class KVCacheService:
                 key_bytes=KEY_BYTES,
             ),
         )
+
+    def _on_dropped(self, keys: Sequence[bytes]) -> None:
+        """Blocks no tier holds any more stop counting against their tenants' quotas."""
+        for name in self.quotas.forget(keys):
+            self._metrics.tenant_used(name, self.quotas.used_bytes(Tenant(name)))
 
     @property
     def server_info(self) -> pb.ServerInfo:
@@ -267,7 +244,7 @@ class KVCacheService:
         return keys
 
     async def _abort(
-        self, context: grpc.aio.ServicerContext, method: str, rejected: _Rejected
+        self, context: grpc.aio.ServicerContext, method: str, rejected: _Rejected | StreamCut
     ) -> NoReturn:
         """Count, log and abort the RPC with the rejection's status."""
         self._metrics.rejected(method, rejected.reason)
@@ -306,9 +283,10 @@ class KVCacheService:
         """Receives a stream of framed blocks, validates each, stores them at stream end."""
         with self._metrics.latency["Put"].time():
             tenant = self._resolve(context).tenant
+            lease = self._lease(context, tenant)
             try:
-                results, staged = await self._receive(request_iterator)
-            except _Rejected as r:
+                results, staged = await self._receive(lease.paced(request_iterator), lease)
+            except (_Rejected, StreamCut) as r:
                 await self._abort(context, "Put", r)
             # grpc.aio ends the request iterator alike for a clean close, a cancel, an
             # expired deadline and a message over the size limit (the call is then over
@@ -321,7 +299,9 @@ class KVCacheService:
                 self._metrics.tenant_rejected(tenant.name, "invalid_block", invalid)
             stored_bytes = 0
             reconciled = False
-            for position, key, blob in staged:
+            for n, (position, key, blob) in enumerate(staged, 1):
+                if n % YIELD_EVERY_BLOCKS == 0:
+                    await asyncio.sleep(0)
                 stored_key = tenant.stored_key(key)
                 admitted = self.quotas.admit(tenant, stored_key, len(blob))
                 if not admitted and not reconciled:
@@ -334,6 +314,8 @@ class KVCacheService:
                     continue
                 results[position] = await self._store_block(key, stored_key, blob, tenant)
                 stored_bytes += len(blob)
+            if self.quotas.sweep_due(tenant):
+                await self.quotas.sweep(tenant, self._store.lookup)
             self._metrics.put_bytes(stored_bytes)
             self._metrics.tenant_put_bytes(tenant.name, stored_bytes)
             if tenant.quota_bytes:
@@ -350,11 +332,15 @@ class KVCacheService:
             key,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"block #{position}: quota: tenant {tenant.name} holds {used} of its "
-            f"{tenant.quota_bytes}-byte quota; this block needs {size} more",
+            f"{tenant.quota_bytes}-byte quota; this block needs {self.quotas.charge_for(size)} "
+            f"more ({size} bytes in {self.quotas.unit_bytes}-byte pages)",
         )
 
-    async def _receive(self, frames: AsyncIterator[bytes]) -> tuple[list[pb.PutResult], Staged]:
-        """Reassemble and validate the blocks of a Put stream.
+    async def _receive(
+        self, frames: AsyncIterator[bytes], lease: Lease
+    ) -> tuple[list[pb.PutResult], Staged]:
+        """Reassemble and validate the blocks of a Put stream, each block's bytes reserved
+        in ``lease`` (waiting for room) when its first frame arrives.
 
         Returns one result slot per block (filled for rejected blocks, placeholders for the
         valid ones) and the valid blocks as (position, key, blob), none of them stored yet.
@@ -375,7 +361,9 @@ class KVCacheService:
                         "PutFrame.key: the first frame of a block must carry its key"
                     )
                 if partial.add(data):
-                    self._check_block(partial.key, memoryview(partial.blob()), results, staged)
+                    await self._check_block(
+                        partial.key, memoryview(partial.blob()), results, staged
+                    )
                     partial = None
                 continue
             position = len(results)
@@ -414,10 +402,15 @@ class KVCacheService:
                     f"PutFrame.total_size: the stream's blocks add up to {request_bytes} bytes, "
                     f"over max_request_bytes {config.max_request_bytes}",
                 )
+            # Whole blocks, not frames: streams holding parts of blocks could fill the
+            # budget with none of them able to finish one.
+            await lease.reserve(size, f"PutFrame: block #{position}")
             results.append(pb.PutResult(key=key))
+            if position % YIELD_EVERY_BLOCKS == YIELD_EVERY_BLOCKS - 1:
+                await asyncio.sleep(0)  # many tiny blocks must not hold the loop
             if len(data) == size:
                 # The common case, a block in one frame: kept as a view of the message.
-                self._check_block(key, data, results, staged)
+                await self._check_block(key, data, results, staged)
             elif len(data) > size:
                 raise _bad_framing(
                     f"PutFrame.data: block #{position} got {len(data)} bytes, more than its "
@@ -432,25 +425,19 @@ class KVCacheService:
             )
         return results, staged
 
-    def _check_block(
+    async def _check_block(
         self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
     ) -> None:
         """Validate one complete block: stage it, or fill its result with the rejection."""
         position = len(results) - 1
-        try:
-            header = validate(blob)
-        except BlockError as e:
-            reason = f"block #{position}: {e}"
-        else:
-            if header.key == key:
-                staged.append((position, key, blob))
-                return
-            reason = (
-                f"block #{position}: key: PutFrame.key {key.hex()} does not match the block "
-                f"header's key {header.key.hex()}"
-            )
+        problem = await self.verifier.check_async(key, blob)
+        if problem is None:
+            staged.append((position, key, blob))
+            return
         self._metrics.rejected("Put", "invalid_block")
-        results[position] = self._rejection(key, grpc.StatusCode.INVALID_ARGUMENT, reason)
+        results[position] = self._rejection(
+            key, grpc.StatusCode.INVALID_ARGUMENT, f"block #{position}: {problem}"
+        )
 
     def _rejection(self, key: bytes, code: grpc.StatusCode, reason: str) -> pb.PutResult:
         """The result of a rejected block (counted by outcome)."""
@@ -490,9 +477,44 @@ class KVCacheService:
 
     async def Get(
         self, request: pb.GetRequest | MalformedRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes]:
+    ) -> None:
         """Streams each requested block (or a miss entry) in request order, as encoded
-        GetFrames (see encode_get_frame)."""
+        GetFrames (see encode_get_frame); a reader too slow to take a frame is cut."""
+        lease = self._lease(context, self._resolve(context).tenant)
+        frames = self._get_frames(request, context, lease)
+        # A write blocked by flow control cannot be cancelled, and the status goes out only
+        # after the data the transport holds (HTTP/2 sends trailers last): on a stall the
+        # window is freed at once, and the cut is answered once the write returns.
+        lease.close_on_stall(frames)
+        try:
+            async for frame in frames:
+                lease.begin_wait()
+                await context.write(frame)
+                lease.end_wait()
+                if lease.stalled:
+                    break
+        except StreamCut as cut:
+            await self._abort(context, "Get", cut)
+        if lease.stalled:
+            await frames.aclose()
+            lease.close()
+            await self._abort(context, "Get", lease.slow_reader_cut("GetFrame"))
+
+    def _lease(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> Lease:
+        """The in-flight lease of one call: its tenant's share with auth, else its
+        connection's; given back when the call ends, however it ends."""
+        lease = self.inflight.lease(tenant.name if tenant.namespace else context.peer())
+        # The stubs type the callback as a class; any callable taking the context works.
+        context.add_done_callback(lease.on_done)  # type: ignore[arg-type]
+        return lease
+
+    async def _get_frames(
+        self,
+        request: pb.GetRequest | MalformedRequest,
+        context: grpc.aio.ServicerContext,
+        lease: Lease,
+    ) -> AsyncGenerator[bytes, None]:
+        """The frames of a Get, each window of blocks reserved in ``lease`` while sent."""
         with self._metrics.latency["Get"].time():
             tenant = self._resolve(context).tenant
             try:
@@ -506,10 +528,16 @@ class KVCacheService:
             codes = self._codes
             names: Sequence[bytes] = self._encoded_names
             sent = hits = 0
-            start, window = 0, GET_WINDOW_KEYS
+            # A window of the largest blocks must fit the client's in-flight share.
+            most = max(
+                1, min(GET_WINDOW_KEYS, self.inflight.share_bytes // self._config.max_block_bytes)
+            )
+            start, window = 0, most
             with target:  # the shared-memory window (if any) is written only inside
                 while start < len(keys):
+                    lease.release()  # the previous window is sent
                     found = await self._store.get_many(keys[start : start + window])
+                    await lease.reserve(sum(len(f[0]) for f in found if f), "GetFrame")
                     for index, item in enumerate(found, start):
                         if item is None:
                             yield encode_get_frame(index, 0, 0, b"", names)
@@ -531,7 +559,7 @@ class KVCacheService:
                             yield encode_get_frame(index, 0, 0, view[offset : offset + limit], ())
                     start += len(found)
                     if sent:
-                        window = max(1, min(GET_WINDOW_KEYS, GET_WINDOW_BYTES * hits // sent))
+                        window = max(1, min(most, GET_WINDOW_BYTES * hits // sent))
             self._metrics.get_bytes(sent)
             self._metrics.tenant_get_bytes(tenant.name, sent)
 
@@ -589,6 +617,7 @@ class KVCacheService:
             host=host,
             max_keys=self._config.max_keys_per_request,
             codes=self._codes,
+            inflight=self.inflight,
         )
         return self.bulk
 
@@ -619,8 +648,8 @@ class KVCacheService:
             except _Rejected as r:
                 await self._abort(context, "Delete", r)
             deleted = await self._store.delete(keys)
+            self.quotas.release(tenant, keys)
             if tenant.quota_bytes:
-                self.quotas.release(tenant, keys)
                 used = self.quotas.used_bytes(tenant)
                 self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
             return pb.DeleteReply(deleted=deleted)
@@ -636,6 +665,9 @@ class KVCacheService:
                 await self._abort(context, "Stats", r)
             stats = await self._store.stats()
             self._metrics.set_tier_stats(stats)
+            tenant = self._resolve(context).tenant
+            if tenant.namespace:
+                stats = await own_stats(self.quotas, tenant, stats, self._store.lookup)
             return pb.StatsReply(
                 server=self._info,
                 tiers=[
@@ -661,38 +693,38 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
     handlers = {
         "Lookup": grpc.unary_unary_rpc_method_handler(
             service.Lookup,
-            request_deserializer=_lenient_parser(pb.LookupRequest),
+            request_deserializer=lenient_parser(pb.LookupRequest),
             response_serializer=pb.LookupReply.SerializeToString,
         ),
         "Put": grpc.stream_unary_rpc_method_handler(
             service.Put, response_serializer=pb.PutReply.SerializeToString
         ),
         "Get": grpc.unary_stream_rpc_method_handler(
-            service.Get, request_deserializer=_lenient_parser(pb.GetRequest)
+            service.Get, request_deserializer=lenient_parser(pb.GetRequest)
         ),
         "Delete": grpc.unary_unary_rpc_method_handler(
             service.Delete,
-            request_deserializer=_lenient_parser(pb.DeleteRequest),
+            request_deserializer=lenient_parser(pb.DeleteRequest),
             response_serializer=pb.DeleteReply.SerializeToString,
         ),
         "Stats": grpc.unary_unary_rpc_method_handler(
             service.Stats,
-            request_deserializer=_lenient_parser(pb.StatsRequest),
+            request_deserializer=lenient_parser(pb.StatsRequest),
             response_serializer=pb.StatsReply.SerializeToString,
         ),
         "AttachShm": grpc.unary_unary_rpc_method_handler(
             service.AttachShm,
-            request_deserializer=_lenient_parser(pb.AttachShmRequest),
+            request_deserializer=lenient_parser(pb.AttachShmRequest),
             response_serializer=pb.AttachShmReply.SerializeToString,
         ),
         "DetachShm": grpc.unary_unary_rpc_method_handler(
             service.DetachShm,
-            request_deserializer=_lenient_parser(pb.DetachShmRequest),
+            request_deserializer=lenient_parser(pb.DetachShmRequest),
             response_serializer=pb.DetachShmReply.SerializeToString,
         ),
         "OpenBulk": grpc.unary_unary_rpc_method_handler(
             service.OpenBulk,
-            request_deserializer=_lenient_parser(pb.OpenBulkRequest),
+            request_deserializer=lenient_parser(pb.OpenBulkRequest),
             response_serializer=pb.OpenBulkReply.SerializeToString,
         ),
     }

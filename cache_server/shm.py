@@ -1,4 +1,4 @@
-"""Server side of the same-host fast path: client segments mapped per session, Get windows.
+"""Server side of the same-host fast path: client segments held per session, Get windows.
 
 A client on this host creates a shared-memory segment (a file directly in /dev/shm), writes
 a magic and a random nonce into its header and calls AttachShm (layout in proto/cache.proto)::
@@ -7,12 +7,12 @@ a magic and a random nonce into its header and calls AttachShm (layout in proto/
            | magic | nonce | session |  reserved  | windows: Get payloads ...   |
 
 :meth:`ShmSessions.attach` opens the name, checks that it is a regular file of this
-process's own uid and of the announced size, maps it, and compares the nonce: equal bytes
+process's own uid and of the announced size, reads its header, and compares the nonce: equal bytes
 prove that both processes see the same memory (same host, same /dev/shm; a server in
 another container finds no such file, or another file). It then writes the session id at
 offset 32 so the client can check that the server's writes reach it. The client unlinks
 the name right after, so a crash of either process leaves nothing in /dev/shm; the
-mapping here keeps the memory until the session ends.
+descriptor held here keeps the memory until the session ends.
 
 Session table (bounded; all on the server's event loop, so no locks):
 
@@ -32,10 +32,13 @@ are never both writing: a Get whose window overlaps one in flight on the same se
 nothing and sends data frames instead; a cancelled call stops writing. The client reads
 a window only after the frame that announces it, and verifies every block's checksums.
 
-Safety. Only files of this process's uid are mapped: a client that could shrink a mapped
-file (which makes the next copy fault with SIGBUS) runs as the server's own user and
-could signal it anyway. Copies run on the event loop, like the framing copies of the
-gRPC path (a 32 MiB block is a few milliseconds).
+Safety. Only files of this process's uid are opened. The server never maps a client's
+segment: a mapping of a file the client then shrinks faults with SIGBUS on the next copy,
+which would kill the server. It keeps the open descriptor instead and copies with
+``pwrite``, which on a shrunk file just writes (growing it back, at most to the size
+attached, already counted in ``max_total_bytes``); a write that fails (a full /dev/shm)
+sends that block as data frames. Copies run on the event loop, like the framing copies
+of the gRPC path (a 32 MiB block is a few milliseconds).
 
 Not implemented: the CUDA analogue (a CUDA IPC handle into the server's GPU tier); blocks
 of a GPU tier are copied through host memory like any other.
@@ -46,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import mmap
 import os
 import secrets
 import stat
@@ -136,25 +138,35 @@ class AttachOutcome:
 
 
 class _Session:
-    """One mapped client segment and the Get windows in flight on it."""
+    """One open client segment and the Get windows in flight on it."""
 
-    __slots__ = ("active", "closing", "id", "last_used", "mm", "name", "size", "tenant", "view")
+    __slots__ = ("active", "closing", "fd", "id", "last_used", "name", "size", "tenant")
 
-    def __init__(self, sid: bytes, tenant: str, name: str, mm: mmap.mmap, now: float) -> None:
+    def __init__(self, sid: bytes, tenant: str, name: str, fd: int, size: int, now: float) -> None:
         self.id = sid
         self.tenant = tenant
         self.name = name
-        self.size = len(mm)
-        self.mm = mm
-        self.view = memoryview(mm)
+        self.size = size
+        self.fd = fd
         self.last_used = now
         self.active: list[tuple[int, int]] = []  # [start, end) of Gets in flight
         self.closing = False
 
+    def write(self, data: bytes | memoryview, offset: int) -> bool:
+        """Copy ``data`` to ``offset`` of the segment; False if the kernel refused."""
+        view = memoryview(data)
+        try:
+            while view.nbytes:
+                done = os.pwrite(self.fd, view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as e:
+            log.debug("shm segment %s: write refused (%s): data frames", self.name, e.strerror)
+            return False
+        return True
+
     def unmap(self) -> None:
-        """Release the mapping (only once no Get writes into it)."""
-        self.view.release()
-        self.mm.close()
+        """Close the segment (only once no Get writes into it)."""
+        os.close(self.fd)
 
 
 class ShmTarget:
@@ -189,7 +201,8 @@ class ShmTarget:
         if start + n > self._end or self._cancelled():
             return None
         src = blob if isinstance(blob, bytes) else blob.cast("B")
-        session.view[start : start + n] = src
+        if not session.write(src, start):
+            return None
         self._cursor = start + n
         self.placed += n
         return start
@@ -243,7 +256,7 @@ class ShmSessions:
 
     @property
     def mapped_bytes(self) -> int:
-        """Bytes of client segments mapped now."""
+        """Bytes of client segments held open now."""
         return sum(s.size for s in self._sessions.values())
 
     def _drop(self, session: _Session, why: str) -> None:
@@ -323,8 +336,7 @@ class ShmSessions:
         self._pending += 1
         self._pending_bytes += size
         try:
-            # Opening and mapping (page tables populated) off the loop: it takes
-            # milliseconds for a large segment.
+            # Opening and checking off the loop (file system calls).
             mapped = await asyncio.to_thread(
                 _open_segment, os.path.join(self._dir, name), size, nonce, sid
             )
@@ -334,7 +346,7 @@ class ShmSessions:
         if isinstance(mapped, str):
             log.debug("shm attach of %s refused: %s", name, mapped)
             return AttachOutcome(refused=mapped)
-        self._sessions[sid] = _Session(sid, tenant, name, mapped, self._clock())
+        self._sessions[sid] = _Session(sid, tenant, name, mapped, size, self._clock())
         self._schedule_expiry()
         log.debug("shm session %s attached %s (%d bytes)", sid.hex(), name, size)
         return AttachOutcome(session=sid)
@@ -405,8 +417,8 @@ class ShmSessions:
             self._drop(session, "server closing")
 
 
-def _open_segment(path: str, size: int, nonce: bytes, sid: bytes) -> mmap.mmap | str:
-    """Open and map a client segment and prove it is the client's memory: the mapping,
+def _open_segment(path: str, size: int, nonce: bytes, sid: bytes) -> int | str:
+    """Open a client segment and prove it is the client's memory: the open descriptor,
     or why not (a refusal the client reads)."""
     name = os.path.basename(path)
     try:
@@ -416,27 +428,29 @@ def _open_segment(path: str, size: int, nonce: bytes, sid: bytes) -> mmap.mmap |
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return f"segment: {name} is not a regular file"
+            return _closed(fd, f"segment: {name} is not a regular file")
         if st.st_uid != os.geteuid():
-            return f"segment: {name} belongs to uid {st.st_uid}, the server runs as {os.geteuid()}"
-        if st.st_size != size:
-            return f"segment: {name} is {st.st_size} bytes, the request says {size}"
-        try:
-            mm = mmap.mmap(
+            return _closed(
                 fd,
-                size,
-                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                f"segment: {name} belongs to uid {st.st_uid}, the server runs as {os.geteuid()}",
             )
-        except OSError as e:
-            return f"segment: cannot map {name}: {e.strerror}"
-    finally:
-        os.close(fd)
-    header = mm[:HEADER_BYTES]
-    if header[:_NONCE_AT] != MAGIC or not hmac.compare_digest(
-        header[_NONCE_AT : _NONCE_AT + NONCE_BYTES], nonce
-    ):
-        mm.close()
-        return f"segment: {name} does not hold the client's magic and nonce (not the same memory)"
-    mm[_SESSION_AT : _SESSION_AT + SESSION_BYTES] = sid
-    return mm
+        if st.st_size != size:
+            return _closed(fd, f"segment: {name} is {st.st_size} bytes, the request says {size}")
+        header = os.pread(fd, _SESSION_AT, 0)
+        if header[:_NONCE_AT] != MAGIC or not hmac.compare_digest(
+            header[_NONCE_AT : _NONCE_AT + NONCE_BYTES], nonce
+        ):
+            return _closed(
+                fd,
+                f"segment: {name} does not hold the client's magic and nonce (not the same memory)",
+            )
+        os.pwrite(fd, sid, _SESSION_AT)
+    except OSError as e:
+        return _closed(fd, f"segment: cannot use {name}: {e.strerror}")
+    return fd
+
+
+def _closed(fd: int, refusal: str) -> str:
+    """Close ``fd`` and return ``refusal``."""
+    os.close(fd)
+    return refusal

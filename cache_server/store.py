@@ -23,6 +23,15 @@ written below while the caller waits. That is the backpressure that keeps memory
 bounded - a background queue of evicted blobs would grow without limit when Redis is
 slower than the clients.
 
+Lower tiers are checked: a blob read from a tier that is not ``trusted`` (Redis, which
+other processes write) goes through ``verify`` (the service's BlockVerifier: header and
+payload checksums, sizes, the key) before it is served or promoted. A blob that fails is
+deleted from that tier, counted (``on_corrupt``) and answered as a miss, so a later Put
+of the key can store a good copy.
+
+Drops: a block evicted from the last memory tier that holds it and kept nowhere below is
+gone; ``drop_listeners`` hear its key (the quota ledger releases its charge).
+
 Concurrency: one event loop; no lock. Every tier operation is atomic on its own (the
 memory tiers never await mid-operation, Redis applies each command atomically). The
 store's own state is ``_moving`` and ``_doomed`` (plain dicts/sets, changed only between
@@ -36,7 +45,8 @@ during a move may see a miss: a normal cache outcome.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
 from nopecache.cache_server.tiers import Tier, TierConfigError, TierName, TierStats, tier_from_url
@@ -49,6 +59,13 @@ __all__ = [
     "StoreObserver",
     "TieredStore",
 ]
+
+
+log = logging.getLogger(__name__)
+
+# (stored key, blob) -> why the blob is not that key's valid block, or None.
+BlobVerifier = Callable[[bytes, bytes], Awaitable[str | None]]
+DropListener = Callable[[Sequence[bytes]], None]
 
 
 class PutOutcome(enum.Enum):
@@ -100,6 +117,10 @@ class StoreObserver(Protocol):
         """``tier`` became reachable (``healthy``) or unreachable."""
         return None
 
+    def on_corrupt(self, tier: TierName, count: int) -> None:
+        """``count`` blobs read from ``tier`` failed verification (deleted there)."""
+        return None
+
 
 class _NullObserver(StoreObserver):
     """The default observer: ignores everything."""
@@ -117,6 +138,7 @@ class TieredStore:
         *,
         write_through: bool = False,
         observer: StoreObserver | None = None,
+        verify: BlobVerifier | None = None,
     ) -> None:
         if not tiers:
             raise TierConfigError("tiers: at least one tier is required")
@@ -129,6 +151,8 @@ class TieredStore:
         self._health = [t.healthy for t in tiers]
         self._moving: dict[bytes, int] = {}
         self._doomed: set[bytes] = set()
+        self._verify = verify
+        self.drop_listeners: list[DropListener] = []
 
     @classmethod
     def from_urls(
@@ -137,10 +161,12 @@ class TieredStore:
         *,
         write_through: bool = False,
         observer: StoreObserver | None = None,
+        verify: BlobVerifier | None = None,
+        max_blob_bytes: int | None = None,
     ) -> TieredStore:
         """Build each tier from its URL (fastest first), see ``tier_from_url``."""
-        tiers = [tier_from_url(url) for url in urls]
-        return cls(tiers, write_through=write_through, observer=observer)
+        tiers = [tier_from_url(url, max_blob_bytes=max_blob_bytes) for url in urls]
+        return cls(tiers, write_through=write_through, observer=observer, verify=verify)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -151,6 +177,13 @@ class TieredStore:
     def write_through(self) -> bool:
         """Whether every put also goes to the last tier."""
         return self._write_through
+
+    @property
+    def page_bytes(self) -> int:
+        """The allocation unit of the memory tiers (the largest page; 1 without one)."""
+        from nopecache.cache_server.tiers.cpu import PagedTier  # the page-pool tiers' base
+
+        return max((t.page_bytes for t in self._tiers if isinstance(t, PagedTier)), default=1)
 
     @property
     def max_blob_bytes(self) -> int:
@@ -200,7 +233,7 @@ class TieredStore:
                 break
             wanted = [keys[i] for i in pending]
             if level == 0:
-                blobs = await tier.get_many(wanted)
+                blobs = await self._checked(tier, wanted, await tier.get_many(wanted))
                 self._note_health(level)
                 pending = self._collect(level, pending, blobs, found)
                 continue
@@ -208,7 +241,7 @@ class TieredStore:
             # so a delete arriving in between is not undone by the promotion.
             self._begin_move(wanted)
             try:
-                blobs = await tier.get_many(wanted)
+                blobs = await self._checked(tier, wanted, await tier.get_many(wanted))
                 self._note_health(level)
                 hits = pending
                 pending = self._collect(level, pending, blobs, found)
@@ -225,15 +258,17 @@ class TieredStore:
         """``get`` of one key copied into ``out`` (see ``Tier.get_into``): (size, tier), or
         None on a miss. The fastest tier copies its pages straight into ``out``; a hit
         below it goes through ``get_many`` (and is promoted). A blob larger than ``out``
-        is not copied and not counted: ask again with ``size`` bytes of room."""
+        is not copied and not counted: ask again with ``size`` bytes of room. A fastest
+        tier that is not ``trusted`` goes through ``get_many`` too (its blobs are verified)."""
         check_key(key)
         top = self._tiers[0]
-        size = await top.get_into(key, out)
-        self._note_health(0)
-        if size is not None:
-            if size <= out.nbytes:
-                self._observer.on_hit(top.name)
-            return size, top.name
+        if top.trusted or self._verify is None:
+            size = await top.get_into(key, out)
+            self._note_health(0)
+            if size is not None:
+                if size <= out.nbytes:
+                    self._observer.on_hit(top.name)
+                return size, top.name
         found = (await self.get_many([key]))[0]
         if found is None:
             return None
@@ -241,6 +276,28 @@ class TieredStore:
         if len(blob) <= out.nbytes:
             out[: len(blob)] = blob
         return len(blob), tier
+
+    async def _checked(
+        self, tier: Tier, keys: Sequence[bytes], blobs: Sequence[bytes | None]
+    ) -> Sequence[bytes | None]:
+        """``blobs`` read from ``tier`` with each one that fails ``verify`` deleted there
+        and replaced by a miss (only for tiers that are not trusted)."""
+        if self._verify is None or tier.trusted:
+            return blobs
+        out = list(blobs)
+        bad: list[bytes] = []
+        for i, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
+            if blob is None:
+                continue
+            problem = await self._verify(key, blob)
+            if problem is not None:
+                out[i] = None
+                bad.append(key)
+                log.warning("%s tier: invalid block deleted (%s)", tier.name, problem)
+        if bad:
+            await tier.delete_many(bad)
+            self._observer.on_corrupt(tier.name, len(bad))
+        return out
 
     def _collect(
         self,
@@ -340,17 +397,33 @@ class TieredStore:
         src = self._tiers[level].name
         for _ in evicted:
             self._observer.on_eviction(src)
-        if not self._demotes_from(level):
-            return
         last = len(self._tiers) - 1
+        # With write-through the last tier got every block when it was stored.
+        kept_below = self._write_through and level < last
+        if not self._demotes_from(level):
+            if not kept_below:
+                self._dropped([entry.key for entry in evicted])
+            return
+        dropped = []
         for entry in evicted:
             blob = entry.blob
             assert blob is not None, "a demoting tier was asked to keep evicted blobs"
             dst = self._next_fitting(level, len(blob))
             if dst is None or (self._write_through and dst == last):
+                if not kept_below:
+                    dropped.append(entry.key)
                 continue
             if await self._move(entry.key, blob, dst):
                 self._observer.on_demotion(src, self._tiers[dst].name)
+            else:
+                dropped.append(entry.key)
+        self._dropped(dropped)
+
+    def _dropped(self, keys: Sequence[bytes]) -> None:
+        """Tell the drop listeners that ``keys`` are held by no tier any more."""
+        if keys:
+            for listener in self.drop_listeners:
+                listener(keys)
 
     async def _promote(self, key: bytes, blob: bytes, level: int) -> None:
         """Copy a block found at ``level`` into the fastest tier that can hold it."""

@@ -15,15 +15,21 @@ at start-up. Without authentication there is one tenant, :data:`ANONYMOUS`, whos
 namespace is empty (stored key = client key): the embedded mode pays nothing. Stored
 keys never leave the server; blocks keep the client key in their header.
 
-Quotas. :class:`QuotaLedger` bounds the bytes a tenant holds on this server. A block is
-charged when a Put by the tenant stores it (or finds it already stored) and released when
-the tenant deletes it. Evictions happen inside the tiers (LRU in memory, Redis's own
-maxmemory policy and TTLs) and are not reported one by one, so the ledger is an upper
-bound: when a tenant's next block would not fit, the ledger first *reconciles* (one
-``Lookup`` of the tenant's charged keys; the ones no tier holds any more are released)
-and only then refuses. Reconciliation runs at most once per ``reconcile_interval_s`` per
-tenant. A quota is per server process: replicas sharing one Redis each count what was
-stored through them.
+Quotas. :class:`QuotaLedger` bounds the bytes a tenant holds on this server, counted in
+the unit the tiers allocate (``unit_bytes``: the page size of the page-pool tiers), so a
+tenant's charge is what it really takes from everyone else: a 100-byte block on 64 KiB
+pages costs 64 KiB. Every Put charges, a key seen before included: a block bigger than the
+key's current charge pays the difference (the charge of a key is never stale-and-small
+while a big block sits under it). A charge is released when the tenant deletes the block,
+when the memory tiers drop it (the store's drop listeners call :meth:`QuotaLedger.forget`),
+or when a *reconciliation* finds no tier holding it any more (Redis evicts by itself and
+reports nothing): when a tenant's next block would not fit, the ledger first reconciles
+(one ``Lookup`` of the tenant's charged keys) and only then refuses. Reconciliation runs
+at most once per ``reconcile_interval_s`` per tenant. So a tenant never holds more than its
+quota's worth of pages, and can never push out more than that of other tenants' data. A
+quota is per server process: replicas sharing one Redis each count what was stored
+through them. Named tenants are tracked even without a quota (their ``Stats`` show their
+own blocks); the anonymous tenant only when it has a quota.
 
 Concurrency: the ledger is used from the event loop only. ``admit`` checks and charges
 without awaiting, so two concurrent Puts cannot both take the last free bytes; each
@@ -38,11 +44,15 @@ import hashlib
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from nopecache.proto.contract import KEY_BYTES
+
+if TYPE_CHECKING:
+    from nopecache.cache_server.tiers import TierStats
 
 __all__ = [
     "ANONYMOUS",
@@ -55,6 +65,7 @@ __all__ = [
     "current_tenant",
     "namespace_tag",
     "namespaced_keys",
+    "own_stats",
 ]
 
 NAMESPACE_BYTES = 8
@@ -149,26 +160,39 @@ LookupFn = Callable[[Sequence[bytes]], Awaitable[Sequence[object | None]]]
 
 @dataclass(slots=True)
 class _Account:
-    """One tenant's charges: stored key -> (bytes, charge sequence number)."""
+    """One tenant's charges: stored key -> (bytes charged, charge sequence number)."""
 
     used: int = 0
     charges: dict[bytes, tuple[int, int]] = field(default_factory=dict)
     reconciled_at: float = float("-inf")
+    sweep_at: int = 4096
 
 
 class QuotaLedger:
-    """Per-tenant byte accounting against quotas (see the module docstring)."""
+    """Per-tenant accounting, in allocation units, against quotas (see the module docstring)."""
 
     def __init__(
         self,
         *,
         reconcile_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        unit_bytes: int = 1,
     ) -> None:
+        if unit_bytes < 1:
+            raise ValueError(f"unit_bytes: must be >= 1, got {unit_bytes}")
         self._accounts: dict[str, _Account] = {}
         self._interval = reconcile_interval_s
         self._clock = clock
         self._seq = 0
+        self.unit_bytes = unit_bytes
+
+    def charge_for(self, size: int) -> int:
+        """What a block of ``size`` bytes costs: whole allocation units."""
+        return -(-size // self.unit_bytes) * self.unit_bytes
+
+    def tracks(self, tenant: Tenant) -> bool:
+        """Whether ``tenant``'s blocks are counted (a quota, or a namespace of its own)."""
+        return bool(tenant.quota_bytes or tenant.namespace)
 
     def used_bytes(self, tenant: Tenant) -> int:
         """Bytes charged to ``tenant`` (an upper bound of what it holds)."""
@@ -180,22 +204,35 @@ class QuotaLedger:
         account = self._accounts.get(tenant.name)
         return len(account.charges) if account is not None else 0
 
-    def admit(self, tenant: Tenant, key: bytes, size: int) -> bool:
-        """Charge ``size`` bytes for ``key`` if the quota allows; True when admitted.
+    def charges(self, tenant: Tenant) -> list[tuple[bytes, int]]:
+        """(stored key, bytes charged) of every block charged to ``tenant``."""
+        account = self._accounts.get(tenant.name)
+        if account is None:
+            return []
+        return [(key, size) for key, (size, _) in account.charges.items()]
 
-        A key already charged is admitted without a second charge. Tenants without a quota
-        are always admitted and not tracked.
+    def _account(self, tenant: Tenant) -> _Account:
+        return self._accounts.setdefault(tenant.name, _Account())
+
+    def admit(self, tenant: Tenant, key: bytes, size: int) -> bool:
+        """Charge a ``size``-byte block for ``key`` if the quota allows; True when admitted.
+
+        A key already charged at least as much is admitted as it is; one charged less pays
+        the difference. Tenants that are not tracked are always admitted.
         """
-        if not tenant.quota_bytes:
+        if not self.tracks(tenant):
             return True
-        account = self._accounts.setdefault(tenant.name, _Account())
-        if key in account.charges:
+        account = self._account(tenant)
+        charge = self.charge_for(size)
+        current = account.charges.get(key)
+        extra = charge - current[0] if current is not None else charge
+        if extra <= 0:
             return True
-        if account.used + size > tenant.quota_bytes:
+        if tenant.quota_bytes and account.used + extra > tenant.quota_bytes:
             return False
         self._seq += 1
-        account.charges[key] = (size, self._seq)
-        account.used += size
+        account.charges[key] = (charge, self._seq)
+        account.used += extra
         return True
 
     def release(self, tenant: Tenant, keys: Iterable[bytes]) -> int:
@@ -203,12 +240,46 @@ class QuotaLedger:
         account = self._accounts.get(tenant.name)
         if account is None:
             return 0
+        return self._release(account, keys)
+
+    @staticmethod
+    def _release(account: _Account, keys: Iterable[bytes]) -> int:
         freed = 0
         for key in keys:
             charge = account.charges.pop(key, None)
             if charge is not None:
                 freed += charge[0]
         account.used -= freed
+        return freed
+
+    def forget(self, keys: Sequence[bytes]) -> list[str]:
+        """Release the charges of stored ``keys`` that no tier holds any more, whoever owns
+        them; the names of the tenants whose usage changed (a store drop listener).
+
+        Stored keys are namespaced, so a key is charged to at most one tenant.
+        """
+        changed = []
+        for name, account in self._accounts.items():
+            if self._release(account, [k for k in keys if k in account.charges]):
+                changed.append(name)
+        return changed
+
+    def sweep_due(self, tenant: Tenant) -> bool:
+        """Whether a tenant without a quota has charged keys enough to recount them.
+
+        Nothing else would ever release what Redis evicted by itself for such a tenant
+        (it never reaches a quota), so its charges are recounted each time their number
+        doubles: amortized, one lookup per key charged.
+        """
+        account = self._accounts.get(tenant.name)
+        return account is not None and len(account.charges) >= account.sweep_at
+
+    async def sweep(self, tenant: Tenant, lookup: LookupFn) -> int:
+        """Recount ``tenant``'s charges now (``reconcile`` without its rate limit)."""
+        account = self._account(tenant)
+        account.reconciled_at = float("-inf")
+        freed = await self.reconcile(tenant, lookup)
+        account.sweep_at = max(4096, 2 * len(account.charges))
         return freed
 
     def reconcile_due(self, tenant: Tenant) -> bool:
@@ -241,3 +312,20 @@ class QuotaLedger:
                 freed += size
         account.used -= freed
         return freed
+
+
+async def own_stats(
+    ledger: QuotaLedger, tenant: Tenant, stats: Sequence[TierStats], lookup: LookupFn
+) -> list[TierStats]:
+    """``stats`` with occupancy counted over ``tenant``'s own blocks only (in charged
+    pages, by the fastest tier holding each): what Stats shows a named tenant, who never
+    sees the other tenants' totals."""
+    charges = ledger.charges(tenant)
+    where = await lookup([key for key, _ in charges])
+    used = {s.name: 0 for s in stats}
+    entries = dict(used)
+    for (_, size), tier in zip(charges, where, strict=True):
+        if isinstance(tier, str) and tier in used:
+            used[tier] += size
+            entries[tier] += 1
+    return [replace(s, used_bytes=used[s.name], entries=entries[s.name]) for s in stats]

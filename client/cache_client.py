@@ -46,9 +46,7 @@ import torch
 from nopecache.client.bulk import BulkSource
 from nopecache.client.chunking import (
     Chunker,
-    ContentChunker,
     FixedChunker,
-    SegmentChunker,
     TokenArray,
     TokenIds,
     token_array,
@@ -64,7 +62,8 @@ from nopecache.client.discovery import Discovery, Resolver
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fetching import BlockPlacer, Download, FetchResult
 from nopecache.client.fingerprint import ModelFingerprint
-from nopecache.client.keys import KeyedChunk, Namespace, content_chunks, prefix_chunks
+from nopecache.client.keyplan import KeyPlanner
+from nopecache.client.keys import KeyedChunk, Namespace
 from nopecache.client.metrics import ClientMetrics, ClientStats
 from nopecache.client.placement import PagedKV
 from nopecache.client.plan import ReusePlan, plan_reuse
@@ -83,7 +82,6 @@ from nopecache.client.warmup import warm_client
 from nopecache.kernels import RopeSpec
 from nopecache.kernels.api import Positions
 from nopecache.proto.allocator import tune_malloc_once
-from nopecache.proto.block import StoredForm
 
 __all__ = [
     "DEFAULT_CHUNKER",
@@ -146,12 +144,15 @@ class AsyncCacheClient:
         self.v_head_dim = v_head_dim
         self.prefix_chunker = FixedChunker(prefix_block_tokens)
         self.chunker = chunker
-        # Position-independent blocks are always NOPE (MLA keeps its own latent form).
-        self.pi_fingerprint = (
-            fingerprint
-            if fingerprint.form in (StoredForm.NOPE, StoredForm.MLA)
-            else replace(fingerprint, form=StoredForm.NOPE)
+        # One keying for the client and its stand-ins (keyplan.py).
+        self.keying = KeyPlanner(
+            fingerprint,
+            config.namespace,
+            self.prefix_chunker,
+            chunker,
+            config.content_chunker(),
         )
+        self.pi_fingerprint = self.keying.pi_fingerprint
         self.metrics = ClientMetrics() if metrics is None else metrics
         self.cost = CostModel(config.cost)
         self.ring = Rendezvous(config.servers)
@@ -264,16 +265,7 @@ class AsyncCacheClient:
 
     # -- keys -------------------------------------------------------------------------
     def _pi_chunker(self, chunking: Chunker | None, segments: Sequence[int] | None) -> Chunker:
-        if segments is None:
-            return self.chunker if chunking is None else chunking
-        if chunking is not None:
-            raise InvalidArgumentError("segments", "give segments or chunking, not both")
-        content = (
-            self.chunker
-            if isinstance(self.chunker, ContentChunker)
-            else self.config.content_chunker()
-        )
-        return SegmentChunker(segments, content)
+        return self.keying.pi_chunker(chunking, segments)
 
     def _keys(
         self,
@@ -284,16 +276,7 @@ class AsyncCacheClient:
         prefix: bool,
         pi: bool,
     ) -> tuple[list[KeyedChunk], list[KeyedChunk]]:
-        ns = self.config.namespace if namespace is None else namespace
-        pre = (
-            prefix_chunks(self.fingerprint, ns, tokens, self.prefix_chunker.split(tokens))
-            if prefix
-            else []
-        )
-        content = (
-            content_chunks(self.pi_fingerprint, ns, tokens, chunker.split(tokens)) if pi else []
-        )
-        return pre, content
+        return self.keying.keys(tokens, namespace, chunker, prefix=prefix, pi=pi)
 
     async def _present(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys their owners hold: one Lookup per server, all in parallel."""

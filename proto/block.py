@@ -460,9 +460,29 @@ def _checked_payload(header: BlockHeader, stored: memoryview) -> memoryview | by
     return payload
 
 
-def validate(blob: BytesLike) -> BlockHeader:
-    """Check a blob completely (structure, sizes, both checksums) and return its header."""
+def check_payload_limit(header: BlockHeader, max_payload_bytes: int) -> None:
+    """Raise BlockSizeError when the header declares a payload over ``max_payload_bytes``.
+
+    The declared size is what decompression would allocate: checking it first keeps a
+    small lz4 payload that claims to expand to hundreds of MiB (a compression bomb) from
+    ever being decompressed.
+    """
+    if header.payload_nbytes > max_payload_bytes:
+        raise BlockSizeError(
+            f"payload_nbytes: {header.payload_nbytes} bytes uncompressed, over the limit "
+            f"of {max_payload_bytes} (max_block_bytes)"
+        )
+
+
+def validate(blob: BytesLike, *, max_payload_bytes: int | None = None) -> BlockHeader:
+    """Check a blob completely (structure, sizes, both checksums) and return its header.
+
+    With ``max_payload_bytes``, a block whose uncompressed payload is declared larger is
+    refused (BlockSizeError) before anything is decompressed.
+    """
     header, stored = parse(blob)
+    if max_payload_bytes is not None:
+        check_payload_limit(header, max_payload_bytes)
     _checked_payload(header, stored)
     return header
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
+import lz4.frame
 import pytest
 import pytest_asyncio
 import torch
+from redis_procs import RedisProc
 from server_procs import CacheServerProc
 from test_cache_client import client, config, kv, prompt
 from test_server import SMALL, Harness, key_of, make_block, put, serving
@@ -170,3 +174,137 @@ async def test_a_server_without_the_stream_refuses_and_the_client_uses_grpc() ->
         await conn.close()
     assert got == [blob, None]
     assert isinstance(source, BulkSource) and source.grpc_calls == 1 and not source.available
+
+
+# -- the hardening of the gRPC Get applies to the bulk stream -------------------------------
+MiB = 1024 * 1024
+BOUNDED = replace(
+    SMALL,
+    tiers=("cpu://?capacity=64MiB&pinned=no",),
+    max_message_bytes=4 * MiB,
+    max_block_bytes=4 * MiB,
+    max_request_bytes=4 * MiB,
+    max_inflight_bytes=16 * MiB,
+    max_inflight_bytes_per_client=8 * MiB,
+    stream_idle_timeout_s=0.5,
+)
+
+
+def welcomed(reply: pb.OpenBulkReply) -> socket.socket:
+    """A bulk connection past its welcome, with a small receive buffer."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", reply.port))
+    sock.sendall(hello(reply.ticket))
+    assert recv_exact(sock, 16) == MAGIC
+    return sock
+
+
+async def put_big(h: Harness, count: int) -> list[tuple[bytes, bytes]]:
+    """``count`` blocks of about 1 MiB, stored."""
+    blocks = [(key_of(i), make_block(key_of(i), tokens=4000, head_dim=64)) for i in range(count)]
+    for block in blocks:
+        results = await put(h.stub, [block], h.frame_bytes)
+        assert [r.outcome for r in results] == [pb.PUT_OUTCOME_STORED]
+    return blocks
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_a_bulk_reader_that_stops_reading_is_cut_and_releases_its_block() -> None:
+    async with serving(BOUNDED) as h:
+        # 40 MiB: more than the loopback buffers take in unread.
+        blocks = await put_big(h, 40)
+        sock = await asyncio.to_thread(welcomed, await open_bulk(h))
+        budget = h.running.service.inflight
+        with sock:
+            await asyncio.to_thread(sock.sendall, encode_get(b"".join(k for k, _ in blocks)))
+            await until(lambda: budget.used_bytes > 0)  # a block is being sent, unread
+            assert budget.used_bytes <= BOUNDED.max_inflight_bytes_per_client
+            # Cut after the idle timeout: the block is released, the connection closed.
+            await until(lambda: budget.used_bytes == 0)
+
+            def drain() -> int:
+                got = 0
+                while part := sock.recv(1 << 20):
+                    got += len(part)
+                return got
+
+            received = await asyncio.to_thread(drain)
+        assert 0 < received < sum(len(b) + ENTRY.size for _, b in blocks)
+        cut = h.running.metrics.registry.get_sample_value(
+            "nopecache_requests_rejected_total", {"method": "Bulk", "reason": "stream_slow_reader"}
+        )
+        assert cut == 1.0
+
+
+@pytest.mark.asyncio
+async def test_bulk_gets_wait_for_the_in_flight_budget_and_are_refused_when_it_stays_full() -> None:
+    async with serving(BOUNDED) as h:
+        [(key, blob)] = await put_big(h, 1)
+        budget = h.running.service.inflight
+        other = budget.lease("another client")
+        await other.reserve(BOUNDED.max_inflight_bytes - 1024, "test")
+        sock = await asyncio.to_thread(welcomed, await open_bulk(h))
+        with sock:
+            # Room comes back while the GET waits: it is served.
+            await asyncio.to_thread(sock.sendall, encode_get(key))
+            await asyncio.sleep(0.2)
+            assert budget.used_bytes == BOUNDED.max_inflight_bytes - 1024  # still waiting
+            other.release()
+            code, size = ENTRY.unpack(await asyncio.to_thread(recv_exact, sock, ENTRY.size))
+            assert (code, await asyncio.to_thread(recv_exact, sock, size)) == (1, blob)
+            await until(lambda: budget.used_bytes == 0)
+            # No room for the idle timeout: an ERROR naming the budget, then the close.
+            await other.reserve(BOUNDED.max_inflight_bytes - 1024, "test")
+            await asyncio.to_thread(sock.sendall, encode_get(key))
+            code, size = ENTRY.unpack(await asyncio.to_thread(recv_exact, sock, ENTRY.size))
+            message = await asyncio.to_thread(recv_exact, sock, size)
+            assert await asyncio.to_thread(recv_exact, sock, 1) == b""
+        other.close()
+    assert code == ERROR_CODE
+    assert message.decode().startswith(
+        "bulk GET: the server's in-flight budget stayed full for 0.5 s (this client holds 0 "
+        "of its 8388608-byte share, all clients 16776192 of max_inflight_bytes 16777216)"
+    )
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tiers", ["cpu+redis", "redis"])
+async def test_a_bad_redis_value_is_a_miss_on_the_bulk_stream_too(
+    redis_clean: RedisProc, tiers: str
+) -> None:
+    cpu = "cpu://?capacity=1MiB&page=4KiB&pinned=no"
+    config = replace(
+        SMALL, tiers=(cpu, redis_clean.url) if tiers == "cpu+redis" else (redis_clean.url,)
+    )
+    key, good_key = key_of(7), key_of(8)
+    raw = redis_clean.client()
+    # Another key's valid block under this key, and a good block.
+    raw.set(b"nc:" + key, lz4.frame.compress(make_block(key_of(999))))
+    good = make_block(good_key)
+    raw.set(b"nc:" + good_key, lz4.frame.compress(good))
+    async with serving(config) as h:
+        reply = await open_bulk(h)
+
+        def exchange() -> list[tuple[int, bytes]]:
+            with connect(reply.port, hello(reply.ticket)) as sock:
+                assert recv_exact(sock, 16) == MAGIC
+                sock.sendall(encode_get(key + good_key))
+                out = []
+                for _ in range(2):
+                    code, size = ENTRY.unpack(recv_exact(sock, ENTRY.size))
+                    out.append((code, recv_exact(sock, size)))
+                return out
+
+        got = await asyncio.to_thread(exchange)
+    # The good block: from the first tier (with cpu+redis, promoted there on the first read).
+    assert got == [(0, b""), (1, good)]
+    assert raw.exists(b"nc:" + key) == 0  # deleted, as on the gRPC path

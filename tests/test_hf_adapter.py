@@ -50,6 +50,8 @@ from nopecache.client.adapters.recompute import ReuseLayout
 from nopecache.client.chunking import ChunkSpan
 from nopecache.client.cost import CostConfig
 from nopecache.client.errors import InvalidArgumentError, NopecacheError
+from nopecache.client.keys import BlockKey
+from nopecache.client.plan import Hit, HitKind, ReusePlan
 from nopecache.kernels.api import rotate
 from nopecache.kernels.reference import rope_tolerance
 from nopecache.proto.block import StoredForm
@@ -111,7 +113,7 @@ def test_captured_k_is_the_k_that_rope_rotates(engine: HFEngine) -> None:
 
 
 def test_exact_prefix_reuse_reproduces_no_cache_logits(engine: HFEngine) -> None:
-    store = InProcessStore(engine)
+    store = InProcessStore(engine, prefix_block_tokens=8)
     first = SEG_A + SEG_B + OTHER
     store.store(first, engine.captured(engine.prefill(first, capture=True)), [24, 56])
     prompt = SEG_A + SEG_B + SEG_C
@@ -124,7 +126,7 @@ def test_exact_prefix_reuse_reproduces_no_cache_logits(engine: HFEngine) -> None
 
 
 def test_whole_prompt_cached_still_computes_the_last_token(engine: HFEngine) -> None:
-    store = InProcessStore(engine)
+    store = InProcessStore(engine, prefix_block_tokens=8)
     prompt = SEG_A + SEG_B
     store.store(prompt, engine.captured(engine.prefill(prompt, capture=True)), [24])
     reused = store.reuse(prompt, [24])
@@ -136,14 +138,14 @@ def test_whole_prompt_cached_still_computes_the_last_token(engine: HFEngine) -> 
 
 def test_rerotated_chunk_with_all_tokens_recomputed_is_exact(engine: HFEngine) -> None:
     # SEG_B cached on its own (from position 0), reused at position 24 after other tokens.
-    store = InProcessStore(engine)
+    store = InProcessStore(engine, prefix_block_tokens=8)
     store.store(SEG_B, engine.chunk_kv(SEG_B), prefix=False)
     prompt = SEG_A + SEG_B + SEG_C
     reused = store.reuse(prompt, [24, 56])
     assert reused is not None
     assert (reused.layout.prefix_end, reused.layout.chunks) == (0, (ChunkSpan(24, 56),))
     want = _no_cache_logits(engine.model, prompt)
-    every = engine.prefill(prompt, reused, rc.first_k(32))
+    every = engine.prefill(prompt, reused, rc.first_k(1.0))
     assert every.recompute_fraction == 1.0
     # Every token runs at every layer: the same computation as a full prefill.
     assert torch.equal(every.logits, want)
@@ -157,7 +159,7 @@ def test_rerotated_chunk_with_all_tokens_recomputed_is_exact(engine: HFEngine) -
 
 
 def test_prefix_plus_rerotated_chunk_fully_recomputed(engine: HFEngine) -> None:
-    store = InProcessStore(engine)
+    store = InProcessStore(engine, prefix_block_tokens=8)
     first = SEG_A + OTHER
     store.store(
         first,
@@ -170,23 +172,28 @@ def test_prefix_plus_rerotated_chunk_fully_recomputed(engine: HFEngine) -> None:
     reused = store.reuse(prompt, [24, 56])
     assert reused is not None
     assert (reused.layout.prefix_end, reused.layout.chunks) == (24, (ChunkSpan(24, 56),))
-    out = engine.prefill(prompt, reused, rc.first_k(32))
+    out = engine.prefill(prompt, reused, rc.first_k(1.0))
     assert out.computed.tolist() == [46] * 30
     _assert_rounding_close(out.logits, _no_cache_logits(engine.model, prompt))
 
 
 def test_selective_recompute_counts_token_layers(engine: HFEngine) -> None:
-    store = InProcessStore(engine)
+    store = InProcessStore(engine, prefix_block_tokens=8)
     store.store(SEG_B, engine.chunk_kv(SEG_B), prefix=False)
     prompt = SEG_A + SEG_B + SEG_C
     reused = store.reuse(prompt, [24, 56])
     assert reused is not None
-    out = engine.prefill(prompt, reused, rc.deviation(0.25, check_layer=1))
-    # All 32 chunk tokens at layers 0 and 1, then round(0.25 * 32) = 8 of them.
-    assert out.recomputed.tolist() == [32, 32] + [8] * 28
-    assert out.computed.tolist() == [70, 70] + [46] * 28
-    assert out.recompute_fraction == pytest.approx((2 * 32 + 28 * 8) / (30 * 32))
-    fk = engine.prefill(prompt, reused, rc.first_k(4))
+    policy = rc.deviation(0.25, check_layer=1)
+    out = engine.prefill(prompt, reused, policy)
+    # 0.25 * 32 * 30 = 240 token-layers: all 32 chunk tokens at layers 0 and 1 (64), then
+    # round(176 / 28) = 6 of them to the last layer.
+    assert out.recomputed.tolist() == [32, 32] + [6] * 28
+    assert out.computed.tolist() == [70, 70] + [44] * 28
+    assert out.recompute_fraction == (2 * 32 + 28 * 6) / (30 * 32)
+    assert out.recompute_fraction == policy.planned_fraction(reused.layout, 30)
+    assert out.budget == 0.25
+    assert out.budget_error_pp == pytest.approx(100 * (232 / 960 - 0.25))
+    fk = engine.prefill(prompt, reused, rc.first_k(0.125))  # round(0.125 * 32) = 4 tokens
     assert fk.recomputed.tolist() == [4] * 30
 
 
@@ -223,7 +230,7 @@ def test_sink_prefix_changes_only_what_attention_sees(engine: HFEngine) -> None:
 def test_sink_prefixed_kv_is_refused_as_an_exact_prefix(engine: HFEngine) -> None:
     kv = engine.chunk_kv(SEG_B, sink_prefix=NEWLINE_SINK)
     assert kv.sink_prefix == NEWLINE_SINK
-    store = InProcessStore(engine)
+    store = InProcessStore(engine, prefix_block_tokens=8)
     with pytest.raises(InvalidArgumentError, match=r"^prefix: .*sink prefix \[198\]"):
         store.store(SEG_B, kv)
     assert store.blocks == {}
@@ -314,16 +321,19 @@ def test_cache_client_source_round_trips_through_a_server(
         source.store(SEG_B, engine.chunk_kv(SEG_B), prefix=False)
         prompt = SEG_A + SEG_B + SEG_C
         reused = source.reuse(prompt, [24, 56])
+        plan = client.lookup(prompt, segments=[24, 56])
     assert reused is not None
     assert (reused.layout.prefix_end, reused.layout.chunks) == (0, (ChunkSpan(24, 56),))
     # The same KV as the in-process store: the same kernel rotated the same nope K.
-    local = InProcessStore(engine)
+    local = InProcessStore(engine, config, chunker=ContentChunker(64, 256, 512))
     local.store(SEG_B, engine.chunk_kv(SEG_B), prefix=False)
+    # One keying and one planner: the same plan, key for key, as the client's.
+    assert local.lookup(prompt, [24, 56]) == plan
     expected = local.reuse(prompt, [24, 56])
     assert expected is not None
     assert torch.equal(reused.k[:, 24:56], expected.k[:, 24:56])
     assert torch.equal(reused.v[:, 24:56], expected.v[:, 24:56])
-    every = engine.prefill(prompt, reused, rc.first_k(32))
+    every = engine.prefill(prompt, reused, rc.first_k(1.0))
     assert torch.equal(every.logits, _no_cache_logits(engine.model, prompt))
 
 
@@ -356,3 +366,25 @@ def test_the_source_reports_every_prefill_to_the_cost_model(
     assert (after.prefill_source, after.prefill_samples) == ("engine", 2)
     rate = (2 * len(SEG_A) + len(SEG_B)) / sum(seconds for _, seconds in seen)
     assert after.prefill_tokens_per_s == pytest.approx(rate, rel=1e-12)
+
+
+def test_touching_hits_are_one_chunk_unless_a_segment_starts_between() -> None:
+    def hit(start: int, end: int, key: int) -> Hit:
+        span = ChunkSpan(start, end)
+        return Hit(
+            BlockKey(bytes([key]) * 16),
+            span,
+            ChunkSpan(0, len(span)),
+            StoredForm.NOPE,
+            HitKind.POSITION_INDEPENDENT,
+        )
+
+    hits = (hit(2, 5, 1), hit(5, 9, 2), hit(9, 12, 3))
+    plan = ReusePlan(14, (), hits, (ChunkSpan(0, 2), ChunkSpan(12, 14)))
+    kv = torch.zeros(1, 14, 1, 2)
+    merged = ReusedKV.from_placed(kv, kv, plan).layout.chunks
+    assert merged == (ChunkSpan(2, 12),)
+    split = ReusedKV.from_placed(kv, kv, plan, segments=[2, 9]).layout.chunks
+    assert split == (ChunkSpan(2, 9), ChunkSpan(9, 12))
+    partial = ReusedKV.from_placed(kv, kv, plan, [ChunkSpan(2, 5), ChunkSpan(9, 12)])
+    assert partial.layout.chunks == (ChunkSpan(2, 5), ChunkSpan(9, 12))

@@ -345,7 +345,8 @@ async def stream_requests(
 
 @pytest.mark.asyncio
 async def test_metrics_endpoint_exposes_every_metric() -> None:
-    config = replace(SMALL, metrics=True, metrics_port=0)
+    # The tenant families need the flag (test_hardening_quotas checks they are off without).
+    config = replace(SMALL, metrics=True, metrics_port=0, metrics_tenant_labels=True)
     async with serving(config) as h:
         key = key_of(70)
         await put(h.stub, [(key, make_block(key))], h.frame_bytes)

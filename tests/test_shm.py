@@ -68,16 +68,29 @@ def leftovers(name_prefix: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(name_prefix))
 
 
-def mapped_by(pid: int, name_prefix: str) -> list[str]:
-    """Mappings of process ``pid`` whose file name starts with ``name_prefix``."""
+def _held(pid: int) -> list[str]:
+    """The mappings of ``pid`` and its open descriptors, as lines ending in the path
+    (``/proc/PID/maps`` lines; descriptors as ``fd N <path>``, the server's way to hold a
+    segment without mapping it)."""
     lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return [line for line in lines if f"/dev/shm/{name_prefix}" in line]
+    fds = Path(f"/proc/{pid}/fd")
+    for fd in fds.iterdir():
+        try:
+            lines.append(f"fd {fd.name} {os.readlink(fd)}")
+        except OSError:  # closed meanwhile
+            continue
+    return lines
+
+
+def mapped_by(pid: int, name_prefix: str) -> list[str]:
+    """Mappings and descriptors of process ``pid`` whose file name starts with
+    ``name_prefix``."""
+    return [line for line in _held(pid) if f"/dev/shm/{name_prefix}" in line]
 
 
 def line_is_deleted(pid: int, path: str) -> bool:
-    """Whether ``pid`` maps ``path`` and the kernel marks it unlinked."""
-    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return any(line.endswith(f"{path} (deleted)") for line in lines)
+    """Whether ``pid`` holds ``path`` and the kernel marks it unlinked."""
+    return any(line.endswith(f"{path} (deleted)") for line in _held(pid))
 
 
 def config(server: CacheServerProc | str, shm: str = "auto") -> ClientConfig:

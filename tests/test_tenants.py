@@ -89,9 +89,13 @@ def test_ledger_admits_up_to_the_quota_and_releases() -> None:
     assert (ledger.used_bytes(t), ledger.charged_keys(t)) == (100, 2)
     assert ledger.release(t, [b"k1", b"absent"]) == 60
     assert ledger.used_bytes(t) == 40
+    # A named tenant without a quota is tracked (its Stats count its blocks), never refused;
+    # the anonymous tenant without a quota is not tracked at all.
     unlimited = Tenant.named("u")
     assert ledger.admit(unlimited, b"k", 10**12)
-    assert (ledger.used_bytes(unlimited), ledger.charged_keys(unlimited)) == (0, 0)
+    assert (ledger.used_bytes(unlimited), ledger.charged_keys(unlimited)) == (10**12, 1)
+    assert ledger.admit(ANONYMOUS, b"k", 10**12)
+    assert (ledger.used_bytes(ANONYMOUS), ledger.charged_keys(ANONYMOUS)) == (0, 0)
 
 
 @pytest.mark.asyncio
@@ -194,11 +198,14 @@ async def test_put_checks_the_client_key_against_the_header_before_namespacing()
 
 # -- quotas --------------------------------------------------------------------------------
 BLOCK = len(make_block(key_of(0)))
+# What a block is charged: one page of the SMALL config's CPU tier.
+CHARGE = 4096
+assert BLOCK < CHARGE
 
 
 @pytest.mark.asyncio
 async def test_quota_refuses_the_block_that_does_not_fit_and_delete_frees_room() -> None:
-    config = replace(AUTH, tenant_quota=2 * BLOCK + BLOCK // 2)
+    config = replace(AUTH, tenant_quota=2 * CHARGE + CHARGE // 2)
     async with tenant_serving(config) as h:
         alice, bob = h.stub(ALICE), h.stub(BOB)
         keys = [key_of(i) for i in range(4)]
@@ -209,8 +216,8 @@ async def test_quota_refuses_the_block_that_does_not_fit_and_delete_frees_room()
             (REJECTED, EXHAUSTED),
         ]
         assert results[2].reason == (
-            f"block #2: quota: tenant alice holds {2 * BLOCK} of its {config.tenant_quota}"
-            f"-byte quota; this block needs {BLOCK} more"
+            f"block #2: quota: tenant alice holds {2 * CHARGE} of its {config.tenant_quota}"
+            f"-byte quota; this block needs {CHARGE} more ({BLOCK} bytes in {CHARGE}-byte pages)"
         )
         got, _ = await get(alice, keys[:3])
         assert got == [make_block(keys[0]), make_block(keys[1]), None]
@@ -224,7 +231,7 @@ async def test_quota_refuses_the_block_that_does_not_fit_and_delete_frees_room()
         results = await put(alice, [(keys[3], make_block(keys[3]))], h.frame_bytes)
         assert [r.outcome for r in results] == [STORED]
         s = h.sample
-        assert s("nopecache_tenant_used_bytes", {"tenant": "alice"}) == 2 * BLOCK
+        assert s("nopecache_tenant_used_bytes", {"tenant": "alice"}) == 2 * CHARGE
         assert s("nopecache_tenant_quota_bytes", {"tenant": "alice"}) == config.tenant_quota
         assert (
             s("nopecache_tenant_rejected_total", {"tenant": "alice", "reason": "over_quota"}) == 1
@@ -235,10 +242,10 @@ async def test_quota_refuses_the_block_that_does_not_fit_and_delete_frees_room()
 
 
 @pytest.mark.asyncio
-async def test_evicted_blocks_stop_counting_once_the_ledger_reconciles(tmp_path: Path) -> None:
+async def test_evicted_blocks_stop_counting_when_the_tier_drops_them(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
     tokens.write_text(
-        f'[tenants.alice]\ntokens = ["{ALICE}"]\nquota = "{3 * BLOCK}"\n'
+        f'[tenants.alice]\ntokens = ["{ALICE}"]\nquota = "{3 * CHARGE}"\n'
         f'[tenants.bob]\ntokens = ["{BOB}"]\n'
     )
     # Four 4 KiB pages: bob's four blocks push all of alice's out.
@@ -260,18 +267,18 @@ async def test_evicted_blocks_stop_counting_once_the_ledger_reconciles(tmp_path:
         ] == [STORED] * 4
         got, _ = await get(alice, mine)
         assert got == [None, None, None]
-        assert h.sample("nopecache_tenant_used_bytes", {"tenant": "alice"}) == 3 * BLOCK
+        assert h.sample("nopecache_tenant_used_bytes", {"tenant": "alice"}) == 0
 
         new = key_of(9)
         results = await put(alice, [(new, make_block(new))], h.frame_bytes)
         assert [r.outcome for r in results] == [STORED]
-        assert h.sample("nopecache_tenant_used_bytes", {"tenant": "alice"}) == BLOCK
-        assert h.running.service.quotas.used_bytes(Tenant.named("alice", 3 * BLOCK)) == BLOCK
+        assert h.sample("nopecache_tenant_used_bytes", {"tenant": "alice"}) == CHARGE
+        assert h.running.service.quotas.used_bytes(Tenant.named("alice", 3 * CHARGE)) == CHARGE
 
 
 @pytest.mark.asyncio
 async def test_concurrent_puts_cannot_both_take_the_last_bytes() -> None:
-    config = replace(AUTH, tenant_quota=3 * BLOCK)
+    config = replace(AUTH, tenant_quota=3 * CHARGE)
     async with tenant_serving(config) as h:
         alice = h.stub(ALICE)
         keys = [key_of(i) for i in range(12)]

@@ -45,8 +45,12 @@ __all__ = [
 ]
 
 
-def tier_from_url(url: str) -> Tier:
-    """Build the tier a URL names (see the table in this module's docstring)."""
+def tier_from_url(url: str, *, max_blob_bytes: int | None = None) -> Tier:
+    """Build the tier a URL names (see the table in this module's docstring).
+
+    ``max_blob_bytes`` bounds what a tier that others can write (Redis) decompresses per
+    value; the memory tiers only ever hold blobs this process checked.
+    """
     if not isinstance(url, str) or not url:
         raise TierConfigError(f"tier url: expected a non-empty string, got {url!r}")
     scheme = urlsplit(url).scheme
@@ -62,7 +66,7 @@ def tier_from_url(url: str) -> Tier:
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from nopecache.cache_server.tiers.redis import RedisTier
 
-        return RedisTier.from_url(url)
+        return RedisTier.from_url(url, max_blob_bytes=max_blob_bytes)
     raise TierConfigError(
         f"{redact_url(url)}: unknown tier scheme {scheme!r} "
         "(use cpu://, cuda://, redis://, rediss://, redis+cluster://)"

@@ -119,6 +119,9 @@ class Tier(ABC):
     """One storage tier (GPU memory, host memory, Redis): async, keyed by bytes."""
 
     name: ClassVar[TierName]
+    # Whether every blob this tier returns was put by this process (after the service
+    # checked it). An untrusted tier's reads are checked again by the store.
+    trusted: ClassVar[bool] = True
 
     @property
     @abstractmethod

@@ -15,7 +15,11 @@ Stored value, one ``SET key value NX [EX ttl]`` per block::
 One command per block means a reader sees the whole block or none of it: Redis applies
 SET atomically, and there is no second key (header) that could be missing or stale.
 The lz4 content checksum turns a value damaged in Redis into a detected miss; such a
-value is deleted and never returned.
+value (and an empty one, or one that is not an lz4 frame) is deleted and never returned.
+Decompression is bounded by ``max_blob_bytes`` (the server passes its ``max_block_bytes``):
+a frame that would expand past it (a compression bomb written into Redis) is refused
+without being expanded, and deleted. The blob itself is checked by the store
+(``TieredStore(verify=...)``), since this tier is not ``trusted``.
 
 Capacity: Redis evicts by itself. Run it with ``maxmemory`` and ``maxmemory-policy
 allkeys-lru`` (each cluster node), so it drops the coldest blocks when full; this tier
@@ -152,6 +156,8 @@ class RedisTier(Tier):
     """Blocks in Redis or Redis Cluster: one lz4-compressed SET per block, optional TTL."""
 
     name: ClassVar[TierName] = "redis"
+    # Other processes (replicas, anyone with the Redis password) write here.
+    trusted: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -162,6 +168,7 @@ class RedisTier(Tier):
         capacity_bytes: int | None = None,
         prefix: bytes = DEFAULT_PREFIX,
         backoff: AbstractBackoff | None = None,
+        max_blob_bytes: int | None = None,
     ) -> None:
         if ttl_seconds is not None and ttl_seconds < 1:
             raise TierConfigError(f"{redact_url(url)}: ttl must be >= 1 second, got {ttl_seconds}")
@@ -169,6 +176,7 @@ class RedisTier(Tier):
         self._url = redact_url(url)
         self._ttl = ttl_seconds
         self._capacity = capacity_bytes
+        self._blob_limit = MAX_VALUE_BYTES if max_blob_bytes is None else max_blob_bytes
         self._prefix = prefix
         self._breaker = CircuitBreaker(backoff or ExponentialBackoff(cap=5.0, base=0.1))
         self._closed = False
@@ -178,7 +186,13 @@ class RedisTier(Tier):
         self.corrupt_values = 0
 
     @classmethod
-    def from_url(cls, url: str, *, backoff: AbstractBackoff | None = None) -> RedisTier:
+    def from_url(
+        cls,
+        url: str,
+        *,
+        backoff: AbstractBackoff | None = None,
+        max_blob_bytes: int | None = None,
+    ) -> RedisTier:
         """Build from a ``redis://``, ``rediss://`` or ``redis+cluster://`` URL (see module doc)."""
         parts = urlsplit(url)
         options = query_options(parts.query, allowed=_ALLOWED_OPTIONS, url=url)
@@ -225,6 +239,7 @@ class RedisTier(Tier):
             capacity_bytes=capacity,
             prefix=prefix,
             backoff=backoff,
+            max_blob_bytes=max_blob_bytes,
         )
 
     @property
@@ -234,10 +249,11 @@ class RedisTier(Tier):
 
     @property
     def max_blob_bytes(self) -> int:
-        """Below Redis's bulk-string limit (and the configured capacity, if any)."""
+        """Below Redis's bulk-string limit, the blob limit given and the capacity, if any."""
+        limit = min(MAX_VALUE_BYTES, self._blob_limit)
         if self._capacity is None:
-            return MAX_VALUE_BYTES
-        return min(MAX_VALUE_BYTES, self._capacity)
+            return limit
+        return min(limit, self._capacity)
 
     @property
     def healthy(self) -> bool:
@@ -300,7 +316,12 @@ class RedisTier(Tier):
         misses: list[bytes | None] = [None] * len(keys)
         raws = await self._guard("get", op, misses)
         blobs = await self._decompress_all(raws)
-        bad = [k for k, raw, blob in zip(keys, raws, blobs, strict=True) if raw and blob is None]
+        # An empty value is not an lz4 frame: damaged too (deleted, or Lookup finds it forever).
+        bad = [
+            k
+            for k, raw, blob in zip(keys, raws, blobs, strict=True)
+            if raw is not None and blob is None
+        ]
         if bad:
             await self._drop_corrupt(bad)
         return blobs
@@ -381,9 +402,10 @@ class RedisTier(Tier):
 
     async def _decompress_all(self, raws: Sequence[bytes | None]) -> list[bytes | None]:
         """Decompress each value; None for a miss or a damaged frame."""
+        limit = self.max_blob_bytes
         if sum(len(raw) for raw in raws if raw) >= THREAD_THRESHOLD_BYTES:
-            return await asyncio.to_thread(_decompress_many, raws)
-        return _decompress_many(raws)
+            return await asyncio.to_thread(_decompress_many, raws, limit)
+        return _decompress_many(raws, limit)
 
     async def _drop_corrupt(self, keys: Sequence[bytes]) -> None:
         """Delete values that failed their checksum so they are never read again."""
@@ -401,18 +423,27 @@ def _compress(blob: BlobLike) -> bytes:
     return lz4.frame.compress(blob, content_checksum=True)
 
 
-def _decompress_many(raws: Sequence[bytes | None]) -> list[bytes | None]:
-    out: list[bytes | None] = []
-    for raw in raws:
-        if raw is None:
-            out.append(None)
-            continue
-        try:
-            out.append(lz4.frame.decompress(raw) if raw[:4] == LZ4_FRAME_MAGIC else None)
-        except RuntimeError:
-            # lz4 reports a bad frame or checksum as RuntimeError: the value is damaged.
-            out.append(None)
-    return out
+def _decompress_many(raws: Sequence[bytes | None], limit: int) -> list[bytes | None]:
+    return [None if raw is None else _decompress(raw, limit) for raw in raws]
+
+
+def _decompress(raw: bytes, limit: int) -> bytes | None:
+    """The blob in one lz4 frame, or None when damaged, empty or larger than ``limit``."""
+    if raw[:4] != LZ4_FRAME_MAGIC:
+        return None
+    try:
+        declared = lz4.frame.get_frame_info(raw).get("content_size", 0)
+        if declared > limit:
+            return None
+        # Bounded whatever the frame header says: at most limit + 1 bytes come out.
+        decompressor = lz4.frame.LZ4FrameDecompressor()
+        blob = decompressor.decompress(raw, max_length=limit + 1)
+    except RuntimeError:
+        # lz4 reports a bad frame or checksum as RuntimeError: the value is damaged.
+        return None
+    if len(blob) > limit or not decompressor.eof or decompressor.unused_data:
+        return None
+    return blob
 
 
 def _cluster_client(

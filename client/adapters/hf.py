@@ -19,8 +19,8 @@ prefill:
 Sources of reused KV::
 
     CacheClientSource   lookup + fetch through nopecache.client's CacheClient (servers)
-    InProcessStore      blocks in a dict, keyed and planned like the server's (no server:
-                        tests, benchmarks)
+    InProcessStore      blocks in a dict, cut, keyed and planned by the client's own
+                        KeyPlanner and plan_reuse (no server: tests)
 
 Exact-prefix tokens are placed and never recomputed: with nothing else reused the
 logits equal a full prefill's within fp32 rounding (the misses run through matrix
@@ -28,15 +28,17 @@ products of another shape than in a full prefill, which rounds differently in th
 last bits; nope K re-rotated by the kernel adds at most an ulp per element).
 
 Recommended settings, from bench/quality.py on SmolLM2-135M: the default policy
-``recompute.DEFAULT_POLICY`` (``blend(0.10, keep_first=8)``) and chunks stored behind a
-one-token sink prefix (``HFEngine(model, sink_prefix=...)``, a newline token; the token
-id belongs to the tokenizer, so the engine assumes none). Each position-independent
-hit of a plan is one chunk for the policy (``first_k`` and ``keep_first`` count per hit).
+``recompute.DEFAULT_POLICY`` (``first_k(0.15)``: 15% of the reused token-layers, on each
+chunk's first tokens) and chunks stored behind a sink prefix that looks like what
+precedes such a chunk in a chat (``chunk_kv(ids, sink_prefix=...)``: a short system
+message, plus the ``user`` header when the chunk is raw text; :data:`NEWLINE_SINK` is the
+one-token fallback). Token ids belong to the tokenizer, so the engine assumes none.
+Touching hits within one segment are one chunk for the policy (see
+:meth:`ReusedKV.from_placed`).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,10 +62,12 @@ from nopecache.client.adapters.recompute import (
     RecomputePolicy,
     ReuseLayout,
 )
-from nopecache.client.chunking import ChunkSpan, TokenIds, token_array
+from nopecache.client.chunking import Chunker, ChunkSpan, FixedChunker, TokenIds, token_array
+from nopecache.client.config import DEFAULT_CHUNKER, DEFAULT_PREFIX_BLOCK_TOKENS, ClientConfig
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
-from nopecache.client.keys import BlockKey, content_chunks, prefix_chunks
+from nopecache.client.keyplan import KeyPlanner
+from nopecache.client.keys import BlockKey
 from nopecache.client.plan import ReusePlan, plan_reuse
 from nopecache.client.sync_client import CacheClient
 from nopecache.kernels import RopeSpec
@@ -146,11 +150,15 @@ class ReusedKV:
         v: torch.Tensor,
         plan: ReusePlan,
         placed: Sequence[ChunkSpan] | None = None,
+        segments: Sequence[int] = (),
     ) -> ReusedKV:
         """From a plan and the target spans whose KV was actually placed (None: all hits).
 
         The exact prefix stops at the first prefix hit not placed; a position-independent
-        hit counts only if placed; each one is a chunk of the layout (first_k counts per hit).
+        hit counts only if placed. Placed hits that touch merge into one chunk of the
+        layout unless a segment starts where they meet: the client cuts a segment into
+        ~64-token blocks, but the tokens of one segment were computed together, so the
+        policy sees one chunk (one start) per run of hits within a segment.
         """
         done = None if placed is None else set(placed)
         prefix_end = 0
@@ -158,12 +166,16 @@ class ReusedKV:
             if done is not None and hit.target not in done:
                 break
             prefix_end = hit.target.end
-        chunks = tuple(
-            h.target
-            for h in plan.hits
-            if (done is None or h.target in done) and h.target.start >= prefix_end
-        )
-        return cls(k, v, ReuseLayout(plan.num_tokens, prefix_end, chunks))
+        starts = {int(s) for s in segments}
+        chunks: list[ChunkSpan] = []
+        for h in plan.hits:
+            if (done is not None and h.target not in done) or h.target.start < prefix_end:
+                continue
+            if chunks and chunks[-1].end == h.target.start and h.target.start not in starts:
+                chunks[-1] = ChunkSpan(chunks[-1].start, h.target.end)
+            else:
+                chunks.append(h.target)
+        return cls(k, v, ReuseLayout(plan.num_tokens, prefix_end, tuple(chunks)))
 
 
 class KVSource(Protocol):
@@ -374,25 +386,42 @@ def _check_exact(kv: CapturedKV, prefix: bool) -> None:
         )
 
 
-def _spans(num_tokens: int, segments: Sequence[int]) -> list[ChunkSpan]:
-    """The chunks of a prompt: one per segment (``segments`` = where segments start)."""
-    cuts = sorted({0, *(int(s) for s in segments if 0 < int(s) < num_tokens), num_tokens})
-    return [ChunkSpan(a, b) for a, b in itertools.pairwise(cuts)]
-
-
 class InProcessStore:
-    """Blocks in a dict, keyed and planned like the nopecache server's: no server needed.
+    """Blocks in a dict, cut, keyed and planned exactly as the nopecache client does.
 
-    One block per segment, under its prefix-chain key and its content key; lookup builds
-    the same :class:`ReusePlan` as the client (``plan_reuse``) and fetch rotates nope K to
-    the target positions with the nopecache kernel. Single-threaded (no lock).
+    The client's own :class:`~nopecache.client.keyplan.KeyPlanner` (prefix chain on the
+    ``prefix_block_tokens`` grid, content chunks per segment) and ``plan_reuse``; fetch
+    rotates nope K to the target positions with the nopecache kernel. No server, no cost
+    model (every found block is a hit). Single-threaded (no lock).
     """
 
-    def __init__(self, engine: HFEngine, namespace: str = "") -> None:
-        """An empty store for ``engine``'s model."""
+    def __init__(
+        self,
+        engine: HFEngine,
+        config: ClientConfig | None = None,
+        *,
+        namespace: str | None = None,
+        prefix_block_tokens: int | None = None,
+        chunker: Chunker | None = None,
+    ) -> None:
+        """An empty store for ``engine``'s model, keyed as a client with ``config`` would.
+
+        ``prefix_block_tokens`` and ``chunker`` override the config's, as in the client.
+        """
+        # Without a config: the client's defaults (a config needs server addresses).
+        block = DEFAULT_PREFIX_BLOCK_TOKENS if config is None else config.prefix_block_tokens
+        content = DEFAULT_CHUNKER if config is None else config.content_chunker()
+        ns = "" if config is None else config.namespace
+        fingerprint = engine.fingerprint(StoredForm.NOPE)
         self.rope = engine.rope
-        self.fingerprint = engine.fingerprint(StoredForm.NOPE)
-        self.namespace = namespace
+        self.fingerprint = fingerprint
+        self.planner = KeyPlanner(
+            fingerprint,
+            ns if namespace is None else namespace,
+            FixedChunker(block if prefix_block_tokens is None else prefix_block_tokens),
+            content if chunker is None else chunker,
+            content,
+        )
         self.blocks: dict[BlockKey, _Block] = {}
 
     def store(
@@ -404,18 +433,14 @@ class InProcessStore:
         prefix: bool = True,
         position_independent: bool = True,
     ) -> None:
-        """Keep each segment of ``tokens`` as one block (prefix chain and/or content key)."""
+        """Keep the blocks of ``tokens`` the client would store (prefix chain, content keys)."""
         arr = token_array(tokens)
         if kv.num_tokens != len(arr):
             raise InvalidArgumentError("kv", f"holds {kv.num_tokens} tokens, tokens has {len(arr)}")
         _check_exact(kv, prefix)
-        spans = _spans(len(arr), segments)
-        keyed = []
-        if prefix:
-            keyed += prefix_chunks(self.fingerprint, self.namespace, arr, spans)
-        if position_independent:
-            keyed += content_chunks(self.fingerprint, self.namespace, arr, spans)
-        for chunk in keyed:
+        chunker = self.planner.pi_chunker(None, list(segments) or None)
+        pre, pi = self.planner.keys(arr, None, chunker, prefix=prefix, pi=position_independent)
+        for chunk in (*pre, *pi):
             s = chunk.span
             self.blocks[chunk.key] = _Block(
                 arr[s.start : s.end].copy(), kv.k_nope[:, s.start : s.end], kv.v[:, s.start : s.end]
@@ -424,17 +449,14 @@ class InProcessStore:
     def lookup(
         self, tokens: TokenIds, segments: Sequence[int] = (), *, position_independent: bool = True
     ) -> ReusePlan:
-        """The reuse plan of ``tokens`` cut at ``segments``."""
+        """The reuse plan of ``tokens`` cut at ``segments``, as the client plans it."""
         arr = token_array(tokens)
-        spans = _spans(len(arr), segments)
-        chain = prefix_chunks(self.fingerprint, self.namespace, arr, spans)
-        pi = content_chunks(self.fingerprint, self.namespace, arr, spans)
-        if not position_independent:
-            pi = []
+        chunker = self.planner.pi_chunker(None, list(segments) or None)
+        chain, pi = self.planner.keys(arr, None, chunker, prefix=True, pi=position_independent)
         found = {c.key: StoredForm.NOPE for c in (*chain, *pi) if c.key in self.blocks}
         return plan_reuse(len(arr), chain, pi, found)
 
-    def fetch(self, plan: ReusePlan, tokens: TokenIds) -> ReusedKV:
+    def fetch(self, plan: ReusePlan, tokens: TokenIds, segments: Sequence[int] = ()) -> ReusedKV:
         """K rotated to each hit's target positions and V, in prompt-shaped tensors."""
         arr = token_array(tokens)
         any_block = next(iter(self.blocks.values()), None)
@@ -455,19 +477,24 @@ class InProcessStore:
             )
             k[:, dst.start : dst.end] = rotated.view(len(dst), layers, heads, dim).transpose(0, 1)
             v[:, dst.start : dst.end] = block.v[:, src.start : src.end]
-        return ReusedKV.from_placed(k, v, plan)
+        return ReusedKV.from_placed(k, v, plan, segments=segments)
 
     def reuse(self, tokens: TokenIds, segments: Sequence[int] = ()) -> ReusedKV | None:
         """Lookup and fetch: KV for the cached parts of ``tokens`` (None: nothing cached)."""
         plan = self.lookup(tokens, segments)
-        return self.fetch(plan, tokens) if plan.blocks else None
+        return self.fetch(plan, tokens, segments) if plan.blocks else None
 
 
 class CacheClientSource:
     """A :class:`KVSource` over nopecache's ``CacheClient`` (lookup, fetch, store)."""
 
     def __init__(
-        self, client: CacheClient, engine: HFEngine | None = None, *, wait: bool = False
+        self,
+        client: CacheClient,
+        engine: HFEngine | None = None,
+        *,
+        wait: bool = False,
+        namespace: str | None = None,
     ) -> None:
         """Use ``client``, a ``CacheClient`` made for this engine's model.
 
@@ -475,21 +502,24 @@ class CacheClientSource:
         cost model then weighs fetches against this engine's real prefill rate).
         ``wait=False`` queues stores in the client's background queue (the engine is not
         held up); ``wait=True`` returns once the blocks are on their servers.
+        ``namespace`` overrides the client config's for this source's keys.
         """
         self.client = client
         self.wait = wait
         if engine is not None and client.observe_prefill not in engine.prefill_observers:
             engine.prefill_observers.append(client.observe_prefill)
+        self.namespace = namespace
 
     def reuse(self, tokens: TokenIds, segments: Sequence[int] = ()) -> ReusedKV | None:
         """Lookup and fetch through the client; failed blocks become misses."""
-        plan = self.client.lookup(tokens, segments=list(segments) or None)
+        plan = self.client.lookup(tokens, segments=list(segments) or None, namespace=self.namespace)
         if not plan.blocks:
             return None
         result = self.client.fetch(plan, tokens)
         if result.k is None or result.v is None or not result.placed:
             return None
-        return ReusedKV.from_placed(result.k, result.v, plan, [h.target for h in result.placed])
+        placed = [h.target for h in result.placed]
+        return ReusedKV.from_placed(result.k, result.v, plan, placed, segments)
 
     def store(
         self,
@@ -508,6 +538,7 @@ class CacheClientSource:
             0,
             form="nope",
             segments=list(segments) or None,
+            namespace=self.namespace,
             prefix=prefix,
             position_independent=position_independent,
             wait=self.wait,

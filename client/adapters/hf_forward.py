@@ -203,12 +203,21 @@ class PrefillOutput:
     nope_k: torch.Tensor | None = None
     """``[layers, tokens, kv_heads, head_dim]`` pre-RoPE K, when capture was asked for
     (rows of tokens not computed at a layer are zeros)."""
+    budget: float = 0.0
+    """The policy's configured budget (share of the reused token-layers)."""
 
     @property
     def recompute_fraction(self) -> float:
         """Share of the reused position-independent token-layers that were recomputed."""
         total = self.layout.num_pi * int(self.recomputed.numel())
         return float(self.recomputed.sum()) / total if total else 0.0
+
+    @property
+    def budget_error_pp(self) -> float:
+        """Realised minus configured recompute share, in percentage points (0 if none reused)."""
+        if not self.layout.num_pi:
+            return 0.0
+        return 100.0 * (self.recompute_fraction - self.budget)
 
 
 PolicyHook = Callable[[LayerState], torch.Tensor]
@@ -285,7 +294,7 @@ def selective_prefill(
     nope = torch.zeros(shape, dtype=stack.dtype, device=stack.device) if capture else None
 
     # Running tokens: misses always; reused PI tokens as the policy says; prefix never.
-    pi_start = policy.initial(layout)
+    pi_start = policy.initial(layout, stack.num_layers)
     is_pi = torch.zeros(tokens, dtype=torch.bool)
     is_pi[layout.pi_tokens[pi_start]] = True
     running = (~reused | is_pi).nonzero().squeeze(1)
@@ -321,6 +330,7 @@ def selective_prefill(
             assert cached_k is not None and cached_v is not None  # reused tokens need them
             state = LayerState(
                 layer=index,
+                num_layers=stack.num_layers,
                 layout=layout,
                 running=pi_of_token[running_pi],
                 fresh_k=k_rows[at],
@@ -361,4 +371,6 @@ def selective_prefill(
 
     last = stack.norm(hidden[:, -1:])
     logits = stack.lm_head(last)[0, -1].float()
-    return PrefillOutput(logits, k_out, v_out, computed, recomputed, layout, nope)
+    return PrefillOutput(
+        logits, k_out, v_out, computed, recomputed, layout, nope, float(policy.budget)
+    )

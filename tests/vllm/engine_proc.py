@@ -49,6 +49,10 @@ class EngineConfig:
     connector: dict[str, Any] | None = None  # kv_connector_extra_config; None: no connector
     max_model_len: int = 4096
     extra: dict[str, Any] = field(default_factory=dict)
+    # Another connector than nopecache's (a peer, for benchmarks), and its environment.
+    connector_class: str = "NopecacheConnector"
+    connector_module: str | None = "nopecache.client.adapters.vllm"
+    env: dict[str, str] = field(default_factory=dict)
 
 
 EngineFactory = Callable[..., "EngineProc"]
@@ -81,7 +85,7 @@ class EngineProc:
     def start(self) -> EngineProc:
         """Start the child and wait until its engine is built (raises EngineError)."""
         read_fd, write_fd = os.pipe()
-        env = {**os.environ, **ENGINE_ENV, "NOPECACHE_ENGINE_FD": str(write_fd)}
+        env = {**os.environ, **ENGINE_ENV, **self.config.env, "NOPECACHE_ENGINE_FD": str(write_fd)}
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, __file__, json.dumps(asdict(self.config))],
@@ -178,8 +182,8 @@ def _build(config: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
     if config["connector"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="NopecacheConnector",
-            kv_connector_module_path="nopecache.client.adapters.vllm",
+            kv_connector=config["connector_class"],
+            kv_connector_module_path=config["connector_module"],
             kv_role="kv_both",
             kv_connector_extra_config=config["connector"],
         )
