@@ -24,6 +24,7 @@ at most ``_STORE_CONCURRENCY`` queued stores run at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -48,7 +49,8 @@ __all__ = ["KForm", "PreparedStore", "StoreBudget", "StorePipeline", "StoreRepor
 
 log = logging.getLogger("nopecache.client.cache_client")
 
-# Blocks encoded and sent per Put batch: bounds the extra memory a store holds at once.
+# Blocks encoded and sent per Put batch: a store holds at most two batches at once (one
+# travelling, the next being encoded).
 _STORE_BATCH_BYTES = 64 * 1024**2
 _STORE_CONCURRENCY = 2
 
@@ -279,21 +281,38 @@ class StorePipeline:
             batches[-1].append(c)
             size += len(c.span) * per_block
         stored = present = failed = nbytes = 0
-        for batch in batches:
-            blobs = await self._on_worker(self._encode, batch, job, forms, prefix_keys)
-            results = await connection.put(blobs)
-            for r, (_, blob) in zip(results, blobs, strict=True):
-                if r.status is StoreStatus.STORED:
-                    stored += 1
-                    nbytes += len(blob)
-                elif r.status is StoreStatus.ALREADY_PRESENT:
-                    present += 1
-                else:
-                    failed += 1
-                    if r.status is StoreStatus.REJECTED:
-                        log.error(
-                            "nopecache: %s rejected block %s: %s", server, r.key.hex(), r.reason
-                        )
+        # The worker encodes batch n + 1 while batch n travels (at most two batches held).
+        encoding = asyncio.ensure_future(
+            self._on_worker(self._encode, batches[0], job, forms, prefix_keys)
+        )
+        try:
+            for n in range(len(batches)):
+                blobs = await encoding
+                if n + 1 < len(batches):
+                    encoding = asyncio.ensure_future(
+                        self._on_worker(self._encode, batches[n + 1], job, forms, prefix_keys)
+                    )
+                results = await connection.put(blobs)
+                for r, (_, blob) in zip(results, blobs, strict=True):
+                    if r.status is StoreStatus.STORED:
+                        stored += 1
+                        nbytes += len(blob)
+                    elif r.status is StoreStatus.ALREADY_PRESENT:
+                        present += 1
+                    else:
+                        failed += 1
+                        if r.status is StoreStatus.REJECTED:
+                            log.error(
+                                "nopecache: %s rejected block %s: %s",
+                                server,
+                                r.key.hex(),
+                                r.reason,
+                            )
+        finally:
+            if not encoding.done():  # cancelled mid-store: the next batch is not needed
+                encoding.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await encoding
         return stored, present, failed, nbytes
 
     def _encode(

@@ -25,6 +25,7 @@ from nopecache.client import (
     PagedKV,
     RetryPolicy,
     content_chunks,
+    storing,
 )
 from nopecache.client.bulk import BulkSource
 from nopecache.client.cost import CostConfig
@@ -143,6 +144,32 @@ def test_exact_prefix_of_nope_k_is_rotated_once_to_its_positions(
     assert torch.equal(result.k, rotated(k, None, 0))
     assert torch.equal(result.v, v)
     assert bool(result.mask.all())
+
+
+def test_a_store_of_several_batches_stores_every_block_once(
+    servers: list[CacheServerProc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = prompt(100, seed=3)
+    k, v = kv(100, seed=3)
+    # One block a batch: six Puts, each with the next batch encoding beside it (storing.py).
+    monkeypatch.setattr(storing, "_STORE_BATCH_BYTES", 1)
+    encoded: list[int] = []
+    encode = storing.StorePipeline._encode
+
+    def counting(self: storing.StorePipeline, chunks: list[object], *args: object) -> object:
+        encoded.append(len(chunks))
+        return encode(self, chunks, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storing.StorePipeline, "_encode", counting)
+    with client(config(servers[:1], "batches")) as c:
+        report = c.store(tokens, (k, v), form="nope", position_independent=False)
+        plan = c.lookup(tokens)
+        result = c.fetch(plan, tokens)
+    assert report.stored == len(encoded) == 6 and encoded == [1] * 6 and report.failed == 0
+    assert plan.prefix_end == 96 and result.failed == ()
+    assert result.k is not None and result.v is not None
+    assert torch.equal(result.k[:, :96], rotated(k, None, 0)[:, :96])
+    assert torch.equal(result.v[:, :96], v[:, :96])
 
 
 # -- position independent ----------------------------------------------------------------------
