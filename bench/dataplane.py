@@ -21,14 +21,17 @@ warm-up, with GB/s = 10^9 bytes of K and V payload per second::
     bulk     the same with bulk=auto (the default): Get payloads over the bulk byte
              stream, received with recv_into into pooled buffers (client/bulk.py)
     shm      the same with shm=on: blocks land in the client's shared-memory segment
-    put      CacheClient.store of fresh blocks (Lookup, encode, Put streams), shm=off
+    put      CacheClient.store of fresh blocks (Lookup, encode, Put), shm=off, bulk=auto
+             (the default): blocks sent over the bulk byte stream
+    putgrpc  the same with bulk=off: gRPC Put streams (the fallback)
 
 Cold start: a child process builds a CacheClient (which warms its channel, shared-memory
 session, buffers and kernels at construction) and times its first lookup + fetch of
 SmolLM2 1024 tokens against the best of the next five: ``cold_vs_warm``.
 
 RESULT keys: ``tcp_gbps``, ``fetch_gbps`` (the bulk stream: the default network path),
-``shm_gbps``, ``put_gbps`` and ``grpc_gbps`` (the gRPC fallback) are geometric means over
+``shm_gbps``, ``put_gbps`` (the bulk stream), ``put_grpc_gbps`` and ``grpc_gbps`` (the gRPC
+fallbacks) are geometric means over
 the six cases; ``fetch_vs_tcp``, ``put_vs_tcp``, ``grpc_vs_tcp`` and ``shm_vs_memcpy``
 geometric means of the per-case ratios; ``fetch_4096_vs_1024`` the worse shape's bulk
 GB/s at 4096 tokens over 1024. Targets: fetch_vs_tcp >= 0.6, put_vs_tcp >= 0.5, fetch_4096_vs_1024 >=
@@ -187,18 +190,19 @@ def fetch_seconds(model: Model, address: str, path: str, tokens: int, reps: int)
     return seconds
 
 
-def put_seconds(model: Model, address: str, tokens: int, reps: int) -> float:
-    """Best store of ``tokens`` tokens of fresh blocks (a new namespace per run)."""
+def put_seconds(model: Model, address: str, path: str, tokens: int, reps: int) -> float:
+    """Best store of ``tokens`` tokens of fresh blocks over ``path`` ("bulk" or "grpc"; a
+    new namespace per run)."""
     prompt, k, v = model.kv(tokens, seed=tokens + 1)
     runs = iter(range(reps + 1))
-    with model.client(address, "grpc", "put") as client:
+    with model.client(address, path, "put") as client:
 
         def store() -> None:
             report = client.store(
                 prompt,
                 (k, v),
                 form="rope",
-                namespace=f"put-{tokens}-{next(runs)}",
+                namespace=f"put-{path}-{tokens}-{next(runs)}",
                 position_independent=False,
             )
             assert report.failed == 0 and report.stored == tokens // PREFIX_BLOCK, report
@@ -233,7 +237,8 @@ def measure(model: Model, addr: str, tokens: int, reps: int) -> dict[str, float]
         "grpc": lambda: fetch_seconds(model, addr, "grpc", tokens, reps),
         "bulk": lambda: fetch_seconds(model, addr, "bulk", tokens, reps),
         "shm": lambda: fetch_seconds(model, addr, "shm", tokens, reps),
-        "put": lambda: put_seconds(model, addr, tokens, reps),
+        "put": lambda: put_seconds(model, addr, "bulk", tokens, reps),
+        "putgrpc": lambda: put_seconds(model, addr, "grpc", tokens, reps),
     }
     row = {name: nbytes / run() / 1e9 for name, run in seconds.items()}
     row["mib"] = nbytes / 2**20
@@ -261,7 +266,7 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}; server capacity {capacity}")
     print(
         f"{'case':>16} {'MiB':>6} {'tcp':>6} {'memcpy':>7} {'grpc':>6} {'bulk':>6} {'shm':>6} "
-        f"{'put':>6}   GB/s"
+        f"{'put':>6} {'putgrpc':>7}   GB/s"
     )
     rows: dict[tuple[str, int], dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp, cache_server(capacity, Path(tmp) / "s.log") as addr:
@@ -272,7 +277,8 @@ def main() -> None:
                 print(
                     f"{model.name + ' ' + str(tokens):>16} {row['mib']:6.1f} "
                     f"{row['tcp']:6.2f} {row['memcpy']:7.2f} {row['grpc']:6.2f} "
-                    f"{row['bulk']:6.2f} {row['shm']:6.2f} {row['put']:6.2f}",
+                    f"{row['bulk']:6.2f} {row['shm']:6.2f} {row['put']:6.2f} "
+                    f"{row['putgrpc']:7.2f}",
                     flush=True,
                 )
         # The child's blocks, stored just before it starts (earlier puts may have pushed
@@ -298,6 +304,7 @@ def main() -> None:
     grpc_only = geomean([r["grpc"] for r in cases])
     shm = geomean([r["shm"] for r in cases])
     put = geomean([r["put"] for r in cases])
+    put_grpc = geomean([r["putgrpc"] for r in cases])
     fetch_vs_tcp = geomean([r["bulk"] / r["tcp"] for r in cases])
     grpc_vs_tcp = geomean([r["grpc"] / r["tcp"] for r in cases])
     put_vs_tcp = geomean([r["put"] / r["tcp"] for r in cases])
@@ -307,7 +314,7 @@ def main() -> None:
         f"RESULT tcp_gbps={tcp:.3f} fetch_gbps={fetch:.3f} fetch_vs_tcp={fetch_vs_tcp:.3f} "
         f"fetch_4096_vs_1024={scaling:.3f} shm_gbps={shm:.3f} shm_vs_memcpy={shm_vs_memcpy:.3f} "
         f"cold_vs_warm={cold_vs_warm:.3f} put_gbps={put:.3f} put_vs_tcp={put_vs_tcp:.3f} "
-        f"grpc_gbps={grpc_only:.3f} grpc_vs_tcp={grpc_vs_tcp:.3f}"
+        f"put_grpc_gbps={put_grpc:.3f} grpc_gbps={grpc_only:.3f} grpc_vs_tcp={grpc_vs_tcp:.3f}"
     )
 
 

@@ -1,24 +1,29 @@
-"""The bulk byte stream: Get payloads over a plain TCP connection (layout in proto/bulk.py).
+"""The bulk byte stream: Get and Put payloads over a plain TCP connection (layout in
+proto/bulk.py).
 
 Why: a Python gRPC stream moves MiB-sized frames at a fraction of what a plain socket
 moves (every frame is a fresh bytes object copied through gRPC's core, and per-message
 work runs in Python). Here a block goes from the tier's bytes to the kernel with
 ``sock_sendall`` of a memoryview (no copy in this process), and the client receives it
-with ``recv_into`` straight into a pooled buffer.
+with ``recv_into`` straight into a pooled buffer. A PUT's blocks arrive with
+``sock_recv_into`` into one buffer each, with no frames to decode and join.
 
 Control stays on gRPC: ``OpenBulk`` (authenticated like every call, so it knows the
 tenant) issues a one-use ticket valid for ``TICKET_TTL_S``; the connection presents it
-first and serves that tenant's keys from then on, one GET at a time, with the same
-checks as the gRPC Get (key count; sizes are the tier's own; blocks of untrusted tiers
-verified by the store). Only plaintext servers offer it (with TLS the bytes would leave
+first and serves that tenant's keys from then on, one request at a time, with the same
+checks as the gRPC calls: a GET's key count (sizes are the tier's own; blocks of
+untrusted tiers verified by the store); a PUT's block count, sizes and total, then each
+block through the service's own ``check_block`` and the whole PUT through its
+``store_staged`` (verification, quotas, metrics: one code path for both transports). Only plaintext servers offer it (with TLS the bytes would leave
 the encrypted channel); the listener binds the gRPC host on an ephemeral port, starts on
 the first OpenBulk and holds at most ``MAX_CONNECTIONS`` connections.
 
 Bounded like the gRPC Get (inflight.py): each connection holds a lease of the server's
 in-flight budget under the same owner a gRPC call of its client has (the tenant with
-auth, else the connection), and reserves the block it sends until it is sent; a full
-budget that stays full for ``stream_idle_timeout_s`` answers an ERROR naming it, and a
-reader that takes no bytes for that long has its connection closed.
+auth, else the connection), and reserves the block it sends until it is sent (a PUT:
+each block as its head arrives, until the PUT is stored); a full budget that stays full
+for ``stream_idle_timeout_s`` answers an ERROR naming it, and a reader that takes no
+bytes (a PUT sender that sends none) for that long has its connection closed.
 
 Concurrency: everything runs on the server's event loop (sockets non-blocking, loop
 ``sock_*`` calls); the ticket table and connection set change only between awaits.
@@ -34,21 +39,57 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from typing import Protocol
 
+from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.inflight import InflightBudget, Lease, StreamCut
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tenants import Tenant, namespaced_keys
-from nopecache.proto.bulk import COUNT, ENTRY, ERROR_CODE, MAGIC, TICKET_BYTES
+from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.bulk import (
+    BLOCK,
+    COUNT,
+    ENTRY,
+    ERROR_CODE,
+    MAGIC,
+    PUT_FLAG,
+    PUT_REPLY_CODE,
+    TICKET_BYTES,
+)
 from nopecache.proto.contract import KEY_BYTES
 
-__all__ = ["MAX_CONNECTIONS", "TICKET_TTL_S", "BulkServer"]
+__all__ = ["MAX_CONNECTIONS", "TICKET_TTL_S", "BulkServer", "PutIntake", "Staged"]
 
 log = logging.getLogger(__name__)
 
 TICKET_TTL_S = 30.0
 MAX_CONNECTIONS = 256
 _HELLO_TIMEOUT_S = 10.0
+
+Staged = list[tuple[int, bytes, memoryview | bytes]]
+"""The valid blocks of one Put as (position, key, blob), none of them stored yet."""
+
+
+class PutIntake(Protocol):
+    """What stores a PUT: the service's checks and store step (service.KVCacheService)."""
+
+    async def check_block(
+        self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
+    ) -> None: ...
+
+    async def store_staged(
+        self, tenant: Tenant, results: list[pb.PutResult], staged: Staged
+    ) -> pb.PutReply: ...
+
+
+class _Refused(Exception):
+    """A request the connection answers with an ERROR (then closes): reason, message."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
 
 
 class BulkServer:
@@ -60,18 +101,22 @@ class BulkServer:
         metrics: ServerMetrics,
         *,
         host: str,
-        max_keys: int,
+        config: ServerConfig,
         codes: dict[str | None, int],
         inflight: InflightBudget,
+        intake: PutIntake,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """A listener (not started) serving ``store`` on ``host``, its block bytes in
-        flight bounded by ``inflight`` (the service's budget)."""
+        """A listener (not started) serving ``store`` on ``host`` within ``config``'s
+        request limits, its block bytes in flight bounded by ``inflight`` (the service's
+        budget), PUTs stored by ``intake``."""
         self._store = store
         self._metrics = metrics
         self._inflight = inflight
+        self._intake = intake
         self._host = host
-        self._max_keys = max_keys
+        self._config = config
+        self._max_keys = config.max_keys_per_request
         self._codes = codes
         self._clock = clock
         self._tickets: dict[bytes, tuple[Tenant, float]] = {}
@@ -140,10 +185,10 @@ class BulkServer:
             owner = tenant.name if tenant.namespace else _peer(conn)
             with self._inflight.lease(owner) as lease:
                 await self._requests(loop, conn, tenant, lease)
-        except StreamCut as cut:
-            self._metrics.rejected("Bulk", cut.reason)
+        except (StreamCut, _Refused) as refused:
+            self._metrics.rejected("Bulk", refused.reason)
             with contextlib.suppress(OSError):
-                await _send_error(loop, conn, cut.message)
+                await _send_error(loop, conn, refused.message)
         except (OSError, TimeoutError, EOFError) as e:
             log.debug("bulk connection ended: %s", e)
         finally:
@@ -152,11 +197,11 @@ class BulkServer:
     async def _requests(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, tenant: Tenant, lease: Lease
     ) -> None:
-        """Serve the GETs of one welcomed connection until it closes (or is cut)."""
+        """Serve the GETs and PUTs of one welcomed connection until it closes (or is cut)."""
         task = asyncio.current_task()
         assert task is not None
 
-        def cut() -> None:  # a send the reader does not take in time ends the task
+        def cut() -> None:  # a send or receive the peer does not serve in time ends the task
             task.cancel()
 
         lease.watch(cut)
@@ -167,25 +212,71 @@ class BulkServer:
             head = await _recv_exact(loop, conn, COUNT.size, eof_ok=True)
             if not head:
                 return
-            (count,) = COUNT.unpack(head)
+            (word,) = COUNT.unpack(head)
+            put, count = bool(word & PUT_FLAG), word & ~PUT_FLAG
+            what = "PUT block count" if put else "GET key count"
             if count > self._max_keys:
-                self._metrics.rejected("Bulk", "too_many_keys")
-                await _send_error(
-                    loop,
-                    conn,
-                    f"GET key count: {count} keys exceeds max_keys_per_request {self._max_keys}",
+                raise _Refused(
+                    "too_many_keys",
+                    f"{what}: {count} {'blocks' if put else 'keys'} exceeds "
+                    f"max_keys_per_request {self._max_keys}",
                 )
-                return
-            packed = await _recv_exact(loop, conn, count * KEY_BYTES)
             try:
-                buffer = await self._get(loop, conn, tenant, packed, buffer, lease)
+                if put:
+                    reply = await self._put(loop, conn, tenant, count, lease)
+                    data = reply.SerializeToString()
+                    await self._send(loop, conn, lease, ENTRY.pack(PUT_REPLY_CODE, len(data)))
+                    await self._send(loop, conn, lease, data)
+                else:
+                    packed = await _recv_exact(loop, conn, count * KEY_BYTES)
+                    buffer = await self._get(loop, conn, tenant, packed, buffer, lease)
             except asyncio.CancelledError:
                 if not lease.stalled:
                     raise
                 task.uncancel()
-                self._metrics.rejected("Bulk", "stream_slow_reader")
-                log.info("bulk connection of %s cut: %s", tenant.name, lease.slow_reader_cut("GET"))
+                cut_by = lease.idle_cut() if put else lease.slow_reader_cut("GET")
+                self._metrics.rejected("Bulk", cut_by.reason)
+                log.info("bulk connection of %s cut: %s", tenant.name, cut_by.message)
                 return
+            finally:
+                lease.release()
+
+    async def _put(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        tenant: Tenant,
+        count: int,
+        lease: Lease,
+    ) -> pb.PutReply:
+        """Receive one PUT's ``count`` blocks, each checked as it completes, then store
+        them as a gRPC Put would (nothing is stored before the last block is in)."""
+        config = self._config
+        results: list[pb.PutResult] = []
+        staged: Staged = []
+        total = 0
+        with self._metrics.latency["Put"].time():
+            for position in range(count):
+                size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
+                if not 0 < size <= config.max_block_bytes:
+                    raise _Refused(
+                        "block_too_large" if size else "bad_framing",
+                        f"PUT block #{position}: size {size} outside (0, max_block_bytes "
+                        f"{config.max_block_bytes}]",
+                    )
+                total += size
+                if total > config.max_request_bytes:
+                    raise _Refused(
+                        "request_too_large",
+                        f"PUT block #{position}: the blocks add up to {total} bytes, over "
+                        f"max_request_bytes {config.max_request_bytes}",
+                    )
+                await lease.reserve(size, f"PUT block #{position}")
+                blob = bytearray(size)
+                await self._recv_into(loop, conn, lease, memoryview(blob))
+                results.append(pb.PutResult(key=key))
+                await self._intake.check_block(key, memoryview(blob), results, staged)
+            return await self._intake.store_staged(tenant, results, staged)
 
     async def _get(
         self,
@@ -227,6 +318,32 @@ class BulkServer:
         self._metrics.get_bytes(sent)
         self._metrics.tenant_get_bytes(tenant.name, sent)
         return buffer
+
+    @staticmethod
+    async def _recv(
+        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, n: int
+    ) -> bytes:
+        """``n`` bytes of a request, watched by the lease's idle timer."""
+        buf = bytearray(n)
+        await BulkServer._recv_into(loop, conn, lease, memoryview(buf))
+        return bytes(buf)
+
+    @staticmethod
+    async def _recv_into(
+        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, view: memoryview
+    ) -> None:
+        """Fill ``view`` from the peer, watched by the lease's idle timer (a sender that
+        sends nothing for ``stream_idle_timeout_s`` gets the task cancelled)."""
+        got, n = 0, view.nbytes
+        while got < n:
+            lease.begin_wait()
+            try:
+                k = await loop.sock_recv_into(conn, view[got:])
+            finally:
+                lease.end_wait()
+            if not k:
+                raise EOFError(f"connection closed after {got} of {n} bytes")
+            got += k
 
     @staticmethod
     async def _send(

@@ -53,7 +53,7 @@ from typing import NoReturn
 import grpc
 import numpy as np
 
-from nopecache.cache_server.bulk import TICKET_TTL_S, BulkServer
+from nopecache.cache_server.bulk import TICKET_TTL_S, BulkServer, Staged
 from nopecache.cache_server.calls import (
     ContextResolver,
     MalformedRequest,
@@ -153,9 +153,6 @@ class _PartialBlock:
     def blob(self) -> bytes:
         """The complete block."""
         return b"".join(self.parts)
-
-
-Staged = list[tuple[int, bytes, memoryview | bytes]]
 
 
 class KVCacheService:
@@ -294,34 +291,41 @@ class KVCacheService:
             # apart: on a call that is over it raises CancelledError, before anything is
             # stored.
             await context.send_initial_metadata(())
-            invalid = len(results) - len(staged)
-            if invalid:
-                self._metrics.tenant_rejected(tenant.name, "invalid_block", invalid)
-            stored_bytes = 0
-            reconciled = False
-            for n, (position, key, blob) in enumerate(staged, 1):
-                if n % YIELD_EVERY_BLOCKS == 0:
-                    await asyncio.sleep(0)
-                stored_key = tenant.stored_key(key)
+            return await self.store_staged(tenant, results, staged)
+
+    async def store_staged(
+        self, tenant: Tenant, results: list[pb.PutResult], staged: Staged
+    ) -> pb.PutReply:
+        """Store the validated blocks of one Put (gRPC or bulk) for ``tenant``, each charged
+        to its quota; ``results`` (one slot per block, rejections filled) completed."""
+        invalid = len(results) - len(staged)
+        if invalid:
+            self._metrics.tenant_rejected(tenant.name, "invalid_block", invalid)
+        stored_bytes = 0
+        reconciled = False
+        for n, (position, key, blob) in enumerate(staged, 1):
+            if n % YIELD_EVERY_BLOCKS == 0:
+                await asyncio.sleep(0)
+            stored_key = tenant.stored_key(key)
+            admitted = self.quotas.admit(tenant, stored_key, len(blob))
+            if not admitted and not reconciled:
+                # The ledger over-counts what tiers evicted meanwhile: recount, once.
+                reconciled = True
+                await self.quotas.reconcile(tenant, self._store.lookup)
                 admitted = self.quotas.admit(tenant, stored_key, len(blob))
-                if not admitted and not reconciled:
-                    # The ledger over-counts what tiers evicted meanwhile: recount, once.
-                    reconciled = True
-                    await self.quotas.reconcile(tenant, self._store.lookup)
-                    admitted = self.quotas.admit(tenant, stored_key, len(blob))
-                if not admitted:
-                    results[position] = self._over_quota(tenant, key, position, len(blob))
-                    continue
-                results[position] = await self._store_block(key, stored_key, blob, tenant)
-                stored_bytes += len(blob)
-            if self.quotas.sweep_due(tenant):
-                await self.quotas.sweep(tenant, self._store.lookup)
-            self._metrics.put_bytes(stored_bytes)
-            self._metrics.tenant_put_bytes(tenant.name, stored_bytes)
-            if tenant.quota_bytes:
-                used = self.quotas.used_bytes(tenant)
-                self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
-            return pb.PutReply(results=results)
+            if not admitted:
+                results[position] = self._over_quota(tenant, key, position, len(blob))
+                continue
+            results[position] = await self._store_block(key, stored_key, blob, tenant)
+            stored_bytes += len(blob)
+        if self.quotas.sweep_due(tenant):
+            await self.quotas.sweep(tenant, self._store.lookup)
+        self._metrics.put_bytes(stored_bytes)
+        self._metrics.tenant_put_bytes(tenant.name, stored_bytes)
+        if tenant.quota_bytes:
+            used = self.quotas.used_bytes(tenant)
+            self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
+        return pb.PutReply(results=results)
 
     def _over_quota(self, tenant: Tenant, key: bytes, position: int, size: int) -> pb.PutResult:
         """The result of a block refused because its tenant's quota is full."""
@@ -361,9 +365,7 @@ class KVCacheService:
                         "PutFrame.key: the first frame of a block must carry its key"
                     )
                 if partial.add(data):
-                    await self._check_block(
-                        partial.key, memoryview(partial.blob()), results, staged
-                    )
+                    await self.check_block(partial.key, memoryview(partial.blob()), results, staged)
                     partial = None
                 continue
             position = len(results)
@@ -410,7 +412,7 @@ class KVCacheService:
                 await asyncio.sleep(0)  # many tiny blocks must not hold the loop
             if len(data) == size:
                 # The common case, a block in one frame: kept as a view of the message.
-                await self._check_block(key, data, results, staged)
+                await self.check_block(key, data, results, staged)
             elif len(data) > size:
                 raise _bad_framing(
                     f"PutFrame.data: block #{position} got {len(data)} bytes, more than its "
@@ -425,10 +427,11 @@ class KVCacheService:
             )
         return results, staged
 
-    async def _check_block(
+    async def check_block(
         self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
     ) -> None:
-        """Validate one complete block: stage it, or fill its result with the rejection."""
+        """Validate one complete block (the last of ``results``): stage it, or fill its
+        result with the rejection."""
         position = len(results) - 1
         problem = await self.verifier.check_async(key, blob)
         if problem is None:
@@ -615,9 +618,10 @@ class KVCacheService:
             self._store,
             self._metrics,
             host=host,
-            max_keys=self._config.max_keys_per_request,
+            config=self._config,
             codes=self._codes,
             inflight=self.inflight,
+            intake=self,
         )
         return self.bulk
 

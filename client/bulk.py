@@ -1,5 +1,6 @@
 """Client side of the bulk byte stream: Get payloads received with ``recv_into`` straight
-into pooled buffers (layout in proto/bulk.py; the server side is cache_server/bulk.py).
+into pooled buffers, Put payloads sent from the encoded blocks with ``sendall`` (layout
+in proto/bulk.py; the server side is cache_server/bulk.py).
 
 A Python gRPC stream delivers each frame as a fresh bytes object that the client then
 copies into a block buffer; a plain socket can do in one ``recv_into`` what that does in
@@ -8,7 +9,10 @@ source when the server offers the stream (plaintext servers): per call it takes 
 socket (or asks ``OpenBulk`` for a ticket and connects one), sends the keys, and reads
 each block with a blocking ``recv_into`` on a worker thread (one thread hop per block;
 the GIL is released while the kernel copies), so block n is placed while block n+1 is
-still arriving. A socket whose call did not finish cleanly is closed, never reused.
+still arriving. :meth:`BulkSource.put_blocks` sends one Put stream's blocks (the
+connection has already split them by the server's limits) and reads the server's
+PutReply, on a worker thread. A socket whose call did not finish cleanly is closed,
+never reused.
 
 Checks as on the gRPC path: entries in request order, tier codes the server has, sizes
 within its ``max_block_bytes`` (the block's checksums are verified at placement). A
@@ -28,18 +32,30 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from nopecache.client.buffers import BufferPool
 from nopecache.client.config import split_server
 from nopecache.client.errors import TransportError
 from nopecache.client.transport import ServerConnection
 from nopecache.proto import cache_pb2 as pb
-from nopecache.proto.bulk import ENTRY, ERROR_CODE, MAGIC, check_entry, encode_get, hello
+from nopecache.proto.bulk import (
+    BLOCK,
+    ENTRY,
+    ERROR_CODE,
+    MAGIC,
+    PUT_REPLY_CODE,
+    check_entry,
+    encode_get,
+    encode_put,
+    hello,
+)
 from nopecache.proto.contract import KEY_BYTES, method_path
+from nopecache.proto.frames import BytesLike
 from nopecache.proto.wire import WireError
 
 __all__ = ["RETRY_S", "BulkSource"]
@@ -60,6 +76,7 @@ class BulkSource:
         self._retry_at = 0.0
         self._refused_logged = False
         self.bulk_blocks = 0
+        self.bulk_puts = 0
         self.grpc_calls = 0
 
     @property
@@ -173,6 +190,45 @@ class BulkSource:
             else:
                 _discard(sock)
 
+    async def put_blocks(
+        self, blobs: Sequence[tuple[bytes, BytesLike]], timeout: float
+    ) -> pb.PutReply | None:
+        """Store one Put stream's ``(key, blob)`` pairs over the bulk stream: the server's
+        reply, or None when the stream is not available (the caller uses gRPC).
+
+        Raises TransportError when the stream breaks or the server refuses the PUT.
+        """
+        deadline = time.monotonic() + timeout
+        # An idle socket may have died with a restarted server: one fresh try then. A
+        # PUT sent again is harmless (the server stores nothing before the last block,
+        # and a block it has answers ALREADY_PRESENT).
+        for reused in (True, False):
+            sock = self._idle.pop() if reused and self._idle else None
+            if sock is None:
+                if not self.available:
+                    return None
+                try:
+                    sock = await self._open(deadline)
+                except OSError as e:  # the deadline passed while connecting
+                    raise TransportError(f"bulk stream: {e}") from e
+                if sock is None:
+                    return None
+                reused = False
+            try:
+                reply = await asyncio.to_thread(_put, sock, blobs, deadline)
+            except (OSError, WireError) as e:
+                _discard(sock)
+                if not reused:
+                    raise TransportError(f"bulk stream: {e}") from e
+                continue
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append(sock)
+            else:
+                _discard(sock)
+            self.bulk_puts += 1
+            return reply
+        return None  # pragma: no cover - the fresh try returns or raises
+
     def close(self) -> None:
         """Close the idle sockets."""
         idle, self._idle = self._idle, []
@@ -212,7 +268,7 @@ def _connect(host: str, port: int, ticket: bytes, deadline: float) -> socket.soc
     return sock
 
 
-def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
+def _send(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
     sock.settimeout(_remaining(deadline))
     sock.sendall(data)
 
@@ -226,6 +282,32 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
         if not k:
             raise WireError(f"the server closed the bulk stream after {got} of {n} bytes")
         got += k
+
+
+def _put(
+    sock: socket.socket, blobs: Sequence[tuple[bytes, BytesLike]], deadline: float
+) -> pb.PutReply:
+    """Worker thread: send one PUT, then read its reply."""
+    _send(sock, encode_put(len(blobs)), deadline)
+    for key, blob in blobs:
+        view = memoryview(blob).cast("B")
+        _send(sock, BLOCK.pack(view.nbytes, key), deadline)
+        _send(sock, view, deadline)
+    head = bytearray(ENTRY.size)
+    _recv_into(sock, memoryview(head), deadline)
+    code, size = ENTRY.unpack(head)
+    if code == ERROR_CODE:
+        message = bytearray(min(size, 4096))
+        _recv_into(sock, memoryview(message), deadline)
+        raise WireError(f"the server refused the PUT: {message.decode(errors='replace')}")
+    if code != PUT_REPLY_CODE:
+        raise WireError(f"bulk PUT reply: code {code}, expected {PUT_REPLY_CODE}")
+    data = bytearray(size)
+    _recv_into(sock, memoryview(data), deadline)
+    try:
+        return pb.PutReply.FromString(bytes(data))
+    except DecodeError as e:
+        raise WireError(f"bulk PUT reply: not a PutReply: {e}") from e
 
 
 def _receive(

@@ -327,8 +327,8 @@ class ClientConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     # Same-host shared-memory payloads: "auto" when the server reports our host id.
     shm: ShmMode = "auto"
-    # Get payloads over the server's bulk byte stream when it offers one (plaintext servers;
-    # "off": always the gRPC stream). See client/bulk.py.
+    # Get and Put payloads over the server's bulk byte stream when it offers one (plaintext
+    # servers; "off": always the gRPC streams). See client/bulk.py.
     bulk: BulkMode = "auto"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Blocks waiting in the non-blocking store queue; a store beyond it is dropped (counted).

@@ -50,7 +50,7 @@ import enum
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import grpc
 import grpc.aio
@@ -66,6 +66,7 @@ from nopecache.proto.contract import API_VERSION, KEY_BYTES, method_path
 from nopecache.proto.frames import GetFrameAssembler, WireError, encode_put_frame
 
 __all__ = [
+    "BlockSink",
     "BlockSource",
     "BufferPool",
     "FastPathFactory",
@@ -187,6 +188,17 @@ class BlockSource(Protocol):
     def __call__(
         self, keys: bytes, timeout: float
     ) -> AsyncIterator[tuple[int, memoryview | None]]: ...
+
+
+@runtime_checkable
+class BlockSink(Protocol):
+    """A data path that also stores: one Put stream's ``(key, blob)`` pairs, the server's
+    reply, or None when it cannot take them now (the connection uses gRPC). Raises
+    :class:`TransportError` on failure."""
+
+    async def put_blocks(
+        self, blobs: Sequence[tuple[bytes, BytesLike]], timeout: float
+    ) -> pb.PutReply | None: ...
 
 
 FastPathFactory = Callable[["ServerConnection", ServerInfo], BlockSource | None]
@@ -504,15 +516,18 @@ class ServerConnection:
             request_serializer=None,  # frames are encoded here (encode_put_frame)
             response_deserializer=pb.PutReply.FromString,
         )
+        sink = self._data if isinstance(self._data, BlockSink) else None
         failed: BaseException | None = None
         for stream in streams:
             if failed is None:
                 try:
-                    reply = await call(
-                        _frames([blobs[i] for i in stream], frame),
-                        timeout=self.config.put_timeout_s,
-                        metadata=self._metadata,
-                    )
+                    part = [blobs[i] for i in stream]
+                    timeout = self.config.put_timeout_s
+                    reply = None if sink is None else await sink.put_blocks(part, timeout)
+                    if reply is None:
+                        reply = await call(
+                            _frames(part, frame), timeout=timeout, metadata=self._metadata
+                        )
                     if len(reply.results) != len(stream):
                         raise TransportError(
                             f"PutReply.results: {len(reply.results)} for {len(stream)} blocks"

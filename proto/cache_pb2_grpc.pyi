@@ -44,10 +44,12 @@ announced by a frame with shm_offset/shm_length instead of data.
 
 Bulk byte stream (plaintext servers). A Python gRPC stream moves MiB-sized frames at a
 fraction of what a plain socket moves, so a client may ask OpenBulk for a TCP port and a
-one-use ticket, connect, and send Gets as raw bytes (layout in proto/bulk.py): the blocks
-come back as a length-prefixed byte stream received straight into the client's buffers.
-The same checks apply (key count, tier codes, block sizes; checksums at placement), and
-the ticket carries the caller's tenant. Over TLS the server refuses: gRPC stays the path.
+one-use ticket, connect, and send Gets and Puts as raw bytes (layout in proto/bulk.py):
+Get blocks come back as a length-prefixed byte stream received straight into the
+client's buffers; Put blocks go out the same way and the answer is a PutReply. The same
+checks apply (key count, tier codes, block sizes; a Put's limits, verification, quota
+and in-flight budget), and the ticket carries the caller's tenant. Over TLS the server
+refuses: gRPC stays the path.
 
 PutFrame and GetFrame carry the block bytes and are encoded/decoded by hand on both sides
 (proto/frames.py: the protobuf runtime is too slow for MiB-sized bytes fields).
