@@ -1,4 +1,4 @@
-"""Helpers the data-plane benchmarks share: a cache-server child, timing, a paged target."""
+"""Helpers the benchmarks share: a cache-server child, timing, a paged target."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def cache_server(capacity: str, log: Path) -> Iterator[str]:
         sys.executable,
         "-m",
         "nopecache.cache_server",
+        "--host",
+        "127.0.0.1",
         "--port",
         str(port),
         "--no-metrics",
@@ -43,7 +45,7 @@ def cache_server(capacity: str, log: Path) -> Iterator[str]:
         f"cpu://?capacity={capacity}&pinned=no",
     ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=out)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
 _MAX_IDLE = 4
+# A PutReply holds a result (key, outcome, code, reason) per block: far below this.
+_MAX_REPLY_BYTES = 16 * 1024 * 1024
 
 
 class BulkSource:
@@ -284,6 +286,19 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
         got += k
 
 
+def _entry(sock: socket.socket, request: str, deadline: float) -> tuple[int, int]:
+    """The next ENTRY's (code, size); an ERROR in its place raises WireError with the
+    server's message."""
+    head = bytearray(ENTRY.size)
+    _recv_into(sock, memoryview(head), deadline)
+    code, size = ENTRY.unpack(head)
+    if code == ERROR_CODE:
+        message = bytearray(min(size, 4096))
+        _recv_into(sock, memoryview(message), deadline)
+        raise WireError(f"the server refused the {request}: {message.decode(errors='replace')}")
+    return code, size
+
+
 def _put(
     sock: socket.socket, blobs: Sequence[tuple[bytes, BytesLike]], deadline: float
 ) -> pb.PutReply:
@@ -293,15 +308,11 @@ def _put(
         view = memoryview(blob).cast("B")
         _send(sock, BLOCK.pack(view.nbytes, key), deadline)
         _send(sock, view, deadline)
-    head = bytearray(ENTRY.size)
-    _recv_into(sock, memoryview(head), deadline)
-    code, size = ENTRY.unpack(head)
-    if code == ERROR_CODE:
-        message = bytearray(min(size, 4096))
-        _recv_into(sock, memoryview(message), deadline)
-        raise WireError(f"the server refused the PUT: {message.decode(errors='replace')}")
+    code, size = _entry(sock, "PUT", deadline)
     if code != PUT_REPLY_CODE:
         raise WireError(f"bulk PUT reply: code {code}, expected {PUT_REPLY_CODE}")
+    if size > _MAX_REPLY_BYTES:
+        raise WireError(f"bulk PUT reply: {size} bytes, over {_MAX_REPLY_BYTES}")
     data = bytearray(size)
     _recv_into(sock, memoryview(data), deadline)
     try:
@@ -314,13 +325,7 @@ def _receive(
     sock: socket.socket, pool: BufferPool, tiers: int, limit: int, index: int, deadline: float
 ) -> memoryview | None:
     """Worker thread: one ENTRY and its block, received into a pooled buffer."""
-    head = bytearray(ENTRY.size)
-    _recv_into(sock, memoryview(head), deadline)
-    code, size = ENTRY.unpack(head)
-    if code == ERROR_CODE:
-        message = bytearray(min(size, 4096))
-        _recv_into(sock, memoryview(message), deadline)
-        raise WireError(f"the server refused the GET: {message.decode(errors='replace')}")
+    code, size = _entry(sock, "GET", deadline)
     check_entry(code, size, tiers, limit, index)
     if not code:
         return None

@@ -63,7 +63,7 @@ from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fetching import BlockPlacer, Download, FetchResult
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.keyplan import KeyPlanner
-from nopecache.client.keys import KeyedChunk, Namespace
+from nopecache.client.keys import Namespace
 from nopecache.client.metrics import ClientMetrics, ClientStats
 from nopecache.client.placement import PagedKV
 from nopecache.client.plan import ReusePlan, plan_reuse
@@ -263,21 +263,7 @@ class AsyncCacheClient:
     async def _on_worker(self, fn: Any, *args: Any) -> Any:
         return await self._in_loop().run_in_executor(self._worker, fn, *args)
 
-    # -- keys -------------------------------------------------------------------------
-    def _pi_chunker(self, chunking: Chunker | None, segments: Sequence[int] | None) -> Chunker:
-        return self.keying.pi_chunker(chunking, segments)
-
-    def _keys(
-        self,
-        tokens: TokenArray,
-        namespace: Namespace | None,
-        chunker: Chunker,
-        *,
-        prefix: bool,
-        pi: bool,
-    ) -> tuple[list[KeyedChunk], list[KeyedChunk]]:
-        return self.keying.keys(tokens, namespace, chunker, prefix=prefix, pi=pi)
-
+    # -- keys (self.keying: keyplan.py) ----------------------------------------------------
     async def _present(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys their owners hold: one Lookup per server, all in parallel."""
         if self._discovery is not None:
@@ -314,8 +300,10 @@ class AsyncCacheClient:
         self._in_loop()
         start = time.perf_counter()
         arr = token_array(tokens)
-        chunker = self._pi_chunker(chunking, segments)
-        pre, pi = self._keys(arr, namespace, chunker, prefix=True, pi=allow_position_independent)
+        chunker = self.keying.pi_chunker(chunking, segments)
+        pre, pi = self.keying.keys(
+            arr, namespace, chunker, prefix=True, pi=allow_position_independent
+        )
         unique = list(dict.fromkeys(c.key.value for c in (*pre, *pi)))
         present = dict(zip(unique, await self._present(unique), strict=True))
         found = {c.key: self.fingerprint.form for c in pre if present[c.key.value]}
@@ -365,7 +353,7 @@ class AsyncCacheClient:
         """Start lookup and download in the background as soon as the prompt is known."""
         self._in_loop()
         arr = token_array(tokens)
-        self._pi_chunker(chunking, segments)  # bad arguments raise here, not in the task
+        self.keying.pi_chunker(chunking, segments)  # bad arguments raise here, not in the task
         return AsyncPrefetch(
             self,
             arr,
@@ -398,8 +386,8 @@ class AsyncCacheClient:
         if form not in ("nope", "rope"):
             raise InvalidArgumentError("form", f"must be 'nope' or 'rope', got {form!r}")
         positions = check_positions(positions, len(arr))
-        chunker = self._pi_chunker(chunking, segments)
-        pre, pi = self._keys(arr, namespace, chunker, prefix=prefix, pi=position_independent)
+        chunker = self.keying.pi_chunker(chunking, segments)
+        pre, pi = self.keying.keys(arr, namespace, chunker, prefix=prefix, pi=position_independent)
         return PreparedStore(arr, k, v, positions, form, tuple(pre), tuple(pi))
 
     async def store(

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import lz4.frame
@@ -18,6 +17,7 @@ import torch
 from redis_procs import RedisProc
 from server_procs import CacheServerProc
 from test_cache_client import client, config, kv, prompt
+from test_hardening_inflight import wait_until
 from test_server import SMALL, Harness, key_of, make_block, put, serving
 
 from nopecache.client import ClientConfig
@@ -210,13 +210,6 @@ async def put_big(h: Harness, count: int) -> list[tuple[bytes, bytes]]:
     return blocks
 
 
-async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.asyncio
 async def test_a_bulk_reader_that_stops_reading_is_cut_and_releases_its_block() -> None:
     async with serving(BOUNDED) as h:
@@ -226,10 +219,10 @@ async def test_a_bulk_reader_that_stops_reading_is_cut_and_releases_its_block() 
         budget = h.running.service.inflight
         with sock:
             await asyncio.to_thread(sock.sendall, encode_get(b"".join(k for k, _ in blocks)))
-            await until(lambda: budget.used_bytes > 0)  # a block is being sent, unread
+            await wait_until(lambda: budget.used_bytes > 0)  # a block is being sent, unread
             assert budget.used_bytes <= BOUNDED.max_inflight_bytes_per_client
             # Cut after the idle timeout: the block is released, the connection closed.
-            await until(lambda: budget.used_bytes == 0)
+            await wait_until(lambda: budget.used_bytes == 0)
 
             def drain() -> int:
                 got = 0
@@ -261,7 +254,7 @@ async def test_bulk_gets_wait_for_the_in_flight_budget_and_are_refused_when_it_s
             other.release()
             code, size = ENTRY.unpack(await asyncio.to_thread(recv_exact, sock, ENTRY.size))
             assert (code, await asyncio.to_thread(recv_exact, sock, size)) == (1, blob)
-            await until(lambda: budget.used_bytes == 0)
+            await wait_until(lambda: budget.used_bytes == 0)
             # No room for the idle timeout: an ERROR naming the budget, then the close.
             await other.reserve(BOUNDED.max_inflight_bytes - 1024, "test")
             await asyncio.to_thread(sock.sendall, encode_get(key))

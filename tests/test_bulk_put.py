@@ -12,8 +12,9 @@ import grpc
 import pytest
 import torch
 from server_procs import CacheServerProc
-from test_bulk import BOUNDED, open_bulk, recv_exact, until, welcomed
+from test_bulk import BOUNDED, open_bulk, recv_exact, welcomed
 from test_cache_client import client, config, kv, prompt
+from test_hardening_inflight import wait_until
 from test_server import PRESENT, REJECTED, SMALL, STORED, key_of, make_block, put, serving
 
 from nopecache.client.bulk import BulkSource
@@ -132,8 +133,8 @@ async def test_a_bulk_put_that_stops_sending_is_cut_and_stores_nothing() -> None
         with sock:
             head = encode_put(1) + BLOCK.pack(len(blob), key)
             await asyncio.to_thread(sock.sendall, head + blob[: len(blob) // 2])
-            await until(lambda: budget.used_bytes == len(blob))  # reserved while it arrives
-            await until(lambda: budget.used_bytes == 0)  # cut after the idle timeout
+            await wait_until(lambda: budget.used_bytes == len(blob))  # reserved while it arrives
+            await wait_until(lambda: budget.used_bytes == 0)  # cut after the idle timeout
             closed = await asyncio.to_thread(recv_exact, sock, 1)
         lookup = await h.stub.Lookup(pb.LookupRequest(keys=key))
         cut = h.running.metrics.registry.get_sample_value(
