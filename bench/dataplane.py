@@ -31,11 +31,11 @@ SmolLM2 1024 tokens against the best of the next five: ``cold_vs_warm``.
 
 RESULT keys: ``tcp_gbps``, ``fetch_gbps`` (the bulk stream: the default network path),
 ``shm_gbps``, ``put_gbps`` (the bulk stream), ``put_grpc_gbps`` and ``grpc_gbps`` (the gRPC
-fallbacks) are geometric means over
-the six cases; ``fetch_vs_tcp``, ``put_vs_tcp``, ``grpc_vs_tcp`` and ``shm_vs_memcpy``
-geometric means of the per-case ratios; ``fetch_4096_vs_1024`` the worse shape's bulk
-GB/s at 4096 tokens over 1024. Targets: fetch_vs_tcp >= 0.6, put_vs_tcp >= 0.5, fetch_4096_vs_1024 >=
-0.9, shm_vs_memcpy >= 0.5, cold_vs_warm <= 2.0.
+fallbacks) are geometric means over the six cases; ``fetch_vs_tcp``, ``put_vs_tcp``,
+``grpc_vs_tcp`` and ``shm_vs_memcpy`` geometric means of the per-case ratios;
+``fetch_4096_vs_1024`` the worse shape's bulk GB/s at 4096 tokens over 1024. Targets:
+fetch_vs_tcp >= 0.6, put_vs_tcp >= 0.5, fetch_4096_vs_1024 >= 0.9, shm_vs_memcpy >= 0.5,
+cold_vs_warm <= 2.0.
 """
 
 from __future__ import annotations

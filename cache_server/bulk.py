@@ -14,9 +14,10 @@ first and serves that tenant's keys from then on, one request at a time, with th
 checks as the gRPC calls: a GET's key count (sizes are the tier's own; blocks of
 untrusted tiers verified by the store); a PUT's block count, sizes and total, then each
 block through the service's own ``check_block`` and the whole PUT through its
-``store_staged`` (verification, quotas, metrics: one code path for both transports). Only plaintext servers offer it (with TLS the bytes would leave
-the encrypted channel); the listener binds the gRPC host on an ephemeral port, starts on
-the first OpenBulk and holds at most ``MAX_CONNECTIONS`` connections.
+``store_staged`` (verification, quotas, metrics: one code path for both transports).
+Only plaintext servers offer it (with TLS the bytes would leave the encrypted channel);
+the listener binds the gRPC host on an ephemeral port, starts on the first OpenBulk and
+holds at most ``MAX_CONNECTIONS`` connections.
 
 Bounded like the gRPC Get (inflight.py): each connection holds a lease of the server's
 in-flight budget under the same owner a gRPC call of its client has (the tenant with
