@@ -57,7 +57,7 @@ from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _quality_server import cache_server
+from _harness import cache_server
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _harness import cache_server
 from _quality_eval import (
     DIALOG_SINK,
     Case,
@@ -81,7 +82,6 @@ from _quality_eval import (
     measure,
 )
 from _quality_prompts import SYSTEM
-from _quality_server import cache_server
 from _quality_set import FILLER, KINDS, PROMPTS, EvalPrompt, half
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 

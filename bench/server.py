@@ -52,10 +52,10 @@ import xxhash
 
 from nopecache.cache_server.config import FRAME_OVERHEAD_BYTES, ServerConfig
 from nopecache.cache_server.main import tune_malloc
-from nopecache.cache_server.service import encode_varint
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import StoredForm, build_block
+from nopecache.proto.frames import encode_put_frame
 
 MiB = 1024 * 1024
 RAW_METHOD = "/nopecache.bench.Raw/Stream"
@@ -218,15 +218,6 @@ async def wait_ready(channel: grpc.aio.Channel) -> None:
 def best_gbps(nbytes: int, seconds: list[float]) -> float:
     """GB/s of the fastest pass."""
     return nbytes / min(seconds) / 1e9
-
-
-def encode_put_frame(key: bytes, total_size: int, data: bytes | memoryview) -> bytes:
-    """A PutFrame in protobuf wire format, ``data`` copied once (the client side of the
-    server's frame codec; the generated class would re-grow its encode buffer per MiB)."""
-    head = b""
-    if key:
-        head = b"\x0a" + encode_varint(len(key)) + key + b"\x10" + encode_varint(total_size)
-    return b"".join((head, b"\x1a", encode_varint(len(data)), data))
 
 
 def frame_data_len(raw: bytes) -> int:

@@ -4,12 +4,12 @@
 call into a :class:`RequestContext`; the request deserializers return
 :class:`MalformedRequest` instead of raising, so that the service can answer
 INVALID_ARGUMENT with a message (gRPC would turn a raising deserializer into UNKNOWN).
-Also the two facts the service reports about its process: version and host id.
+Also the version the service reports about its process (the host id is the wire
+contract's, ``proto/shm_layout.host_id``).
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -24,7 +24,6 @@ __all__ = [
     "MalformedRequest",
     "RequestContext",
     "default_context",
-    "host_id",
     "lenient_parser",
     "server_version",
 ]
@@ -73,13 +72,3 @@ def server_version() -> str:
         return metadata.version("nopecache")
     except metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-def host_id() -> str:
-    """Hostname plus kernel boot id: equal only for processes that can share /dev/shm."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"

@@ -26,7 +26,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from nopecache.cache_server.sizes import SizeError, format_size, parse_size
+from nopecache.proto.contract import DEFAULT_PORT
+from nopecache.proto.sizes import SizeError, format_size, parse_size
 
 __all__ = [
     "DEFAULT_PORT",
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "NOPECACHE_"
-DEFAULT_PORT = 50551
 DEFAULT_METRICS_PORT = 9464
 # Room kept in every message for the non-payload fields of a frame (index, tier, sizes,
 # tier names), so that a frame with max_frame_data_bytes of data fits max_message_bytes.

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import signal
 import socket
@@ -58,6 +56,7 @@ from nopecache.cache_server.tenants import ANONYMOUS, Tenant
 from nopecache.cache_server.tiers import TierError, redact_url
 from nopecache.cache_server.tls import load_server_tls
 from nopecache.cache_server.verify import BlockVerifier
+from nopecache.proto.allocator import tune_malloc
 
 __all__ = ["RunningServer", "main", "serve", "start_server", "tier_health_name", "tune_malloc"]
 
@@ -66,35 +65,6 @@ DEFAULT_MONITOR_INTERVAL_S = 2.0
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 log = logging.getLogger("nopecache.cache_server")
-
-
-def tune_malloc() -> bool:
-    """Make glibc keep freed block-sized buffers for reuse; True if it took effect.
-
-    Every block in or out allocates and frees a buffer of its size (gRPC message bytes,
-    tier reads, frames). By default glibc serves such sizes with mmap and returns them
-    with munmap, so each new buffer page-faults its way in (measured: 8 MiB blocks moved
-    2-3x slower than the transport allows). With a fixed mmap threshold above the largest
-    frame and a high trim threshold, freed buffers stay in the heap and are reused. The
-    cost: RSS does not shrink after a burst (it stays at the peak of in-flight buffers);
-    at most two malloc arenas keep that peak from being held once per gRPC thread.
-    """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
-    # 32 MiB is the largest mmap threshold glibc accepts on 64-bit.
-    return (
-        bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024))
-        and bool(mallopt(m_trim_threshold, 1024 * 1024 * 1024))
-        # Every arena keeps its own freed buffers; gRPC's threads would each get one.
-        # Two arenas bound what stays resident (measured: 50 -> 30 MiB under bench/load.py).
-        and bool(mallopt(m_arena_max, 2))
-    )
 
 
 def tier_health_name(tier: str) -> str:
@@ -132,6 +102,8 @@ class RunningServer:
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.service.bulk is not None:
+            await self.service.bulk.close()
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -247,6 +219,8 @@ async def start_server(
         try:
             if credentials is None:
                 port = server.add_insecure_port(target)
+                # Plaintext: Get payloads may also take the bulk byte stream (bulk.py).
+                service.offer_bulk(config.host)
             else:
                 port = server.add_secure_port(target, credentials)
         except RuntimeError as e:  # gRPC says only "Failed to bind": the probe above did not

@@ -7,10 +7,8 @@ Wire rules (see proto/cache.proto):
 * Blocks travel in frames of at most ``max_frame_data_bytes``; a frame with a key starts a
   block, frames without one continue it.
 * The two block-carrying messages, PutFrame (in) and GetFrame (out), bypass the protobuf
-  runtime: upb builds a fresh encode buffer per message and grows it by doubling, which
-  costs milliseconds per MiB, several times the transport itself. They are encoded and
-  decoded here (standard protobuf wire format, checked against the generated classes by
-  tests) with one copy out and zero copies in. Everything else uses the generated code.
+  runtime: their codecs are the wire contract's (proto/frames.py), shared with the
+  client. Everything else uses the generated code.
 
 Put semantics (what a client may rely on):
 
@@ -55,12 +53,12 @@ from typing import NoReturn
 import grpc
 import numpy as np
 
+from nopecache.cache_server.bulk import TICKET_TTL_S, BulkServer, Staged
 from nopecache.cache_server.calls import (
     ContextResolver,
     MalformedRequest,
     RequestContext,
     default_context,
-    host_id,
     lenient_parser,
     server_version,
 )
@@ -74,7 +72,9 @@ from nopecache.cache_server.tiers import redact_url
 from nopecache.cache_server.verify import BlockVerifier
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import KEY_BYTES
-from nopecache.proto.wire import WireError, encode_varint, read_varint
+from nopecache.proto.contract import API_VERSION, SERVICE_NAME
+from nopecache.proto.frames import WireError, decode_put_frame, encode_get_frame
+from nopecache.proto.shm_layout import host_id
 
 __all__ = [
     "API_VERSION",
@@ -83,17 +83,10 @@ __all__ = [
     "KVCacheService",
     "MalformedRequest",
     "RequestContext",
-    "WireError",
     "add_to_server",
-    "decode_put_frame",
-    "encode_get_frame",
-    "encode_varint",
-    "host_id",
     "server_version",
 ]
 
-API_VERSION = 1
-SERVICE_NAME = "nopecache.v1.KVCache"
 # Keys fetched from the store per step of a Get stream: up to GET_WINDOW_KEYS (to batch a
 # Redis round trip for small blocks), fewer once blocks turn out large, so that one stream
 # holds about GET_WINDOW_BYTES of blocks at a time (and a block is framed while its bytes
@@ -105,87 +98,6 @@ YIELD_EVERY_BLOCKS = 64
 _KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
 log = logging.getLogger(__name__)
-
-
-# -- wire codec of the block frames ----------------------------------------------------------
-def encode_get_frame(
-    index: int,
-    tier: int,
-    total_size: int,
-    data: bytes | memoryview,
-    tier_names: Sequence[bytes],
-    shm: tuple[int, int] | None = None,
-) -> bytes:
-    """A GetFrame in protobuf wire format (fields in number order, zero values omitted,
-    byte-identical to ``GetFrame.SerializeToString``) with ``data`` copied once.
-
-    ``shm`` is (shm_offset, shm_length) of a block written into the call's shared-memory
-    window (shm.py); such a frame has no data.
-    """
-    head = bytearray()
-    if index:
-        head += b"\x08" + encode_varint(index)
-    if tier:
-        head += b"\x10" + encode_varint(tier)
-    if total_size:
-        head += b"\x18" + encode_varint(total_size)
-    n = len(data)
-    if n:
-        head += b"\x22" + encode_varint(n)
-    tail = b"".join(b"\x2a" + encode_varint(len(name)) + name for name in tier_names)
-    if shm is not None:
-        offset, length = shm
-        if offset:
-            tail += b"\x40" + encode_varint(offset)
-        if length:
-            tail += b"\x48" + encode_varint(length)
-    if not tail:
-        return b"".join((head, data))
-    return b"".join((head, data, tail))
-
-
-def decode_put_frame(raw: bytes) -> tuple[bytes, int, memoryview]:
-    """(key, total_size, data) of a PutFrame in wire format; ``data`` is a view of ``raw``.
-
-    Follows protobuf parsing rules: the last occurrence of a field wins, unknown fields
-    (including the reserved 8-15) are skipped. Raises WireError for malformed input.
-    """
-    view = memoryview(raw)
-    key, total_size, data = b"", 0, view[0:0]
-    pos, end = 0, len(raw)
-    while pos < end:
-        tag, pos = read_varint(raw, pos, "PutFrame")
-        field, wire = tag >> 3, tag & 7
-        name = {1: "PutFrame.key", 2: "PutFrame.total_size", 3: "PutFrame.data"}.get(
-            field, f"PutFrame field {field}"
-        )
-        if field == 0:
-            raise WireError("PutFrame: field number 0 is invalid")
-        if wire == 0:
-            value, pos = read_varint(raw, pos, name)
-            if field == 2:
-                total_size = value
-            elif field in (1, 3):
-                raise WireError(f"{name}: expected length-delimited bytes, got a varint")
-        elif wire == 2:
-            length, pos = read_varint(raw, pos, name)
-            stop = pos + length
-            if stop > end:
-                raise WireError(f"{name}: length {length} runs past the end of the message")
-            if field == 1:
-                key = raw[pos:stop]
-            elif field == 3:
-                data = view[pos:stop]
-            elif field == 2:
-                raise WireError(f"{name}: expected a varint, got length-delimited bytes")
-            pos = stop
-        elif wire in (1, 5) and field > 3:
-            pos += 8 if wire == 1 else 4
-        else:
-            raise WireError(f"{name}: unsupported wire type {wire}")
-    if pos != end:
-        raise WireError("PutFrame: the last field runs past the end of the message")
-    return key, total_size, data
 
 
 # -- request handling ------------------------------------------------------------------------
@@ -243,9 +155,6 @@ class _PartialBlock:
         return b"".join(self.parts)
 
 
-Staged = list[tuple[int, bytes, memoryview | bytes]]
-
-
 class KVCacheService:
     """Serves Lookup/Put/Get/Delete/Stats from a TieredStore, enforcing the config's limits.
 
@@ -277,6 +186,8 @@ class KVCacheService:
         )
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
+        # The bulk byte stream (bulk.py), offered by plaintext servers (offer_bulk).
+        self.bulk: BulkServer | None = None
         self._tier_names = [t.name for t in store.tiers]
         self._encoded_names = [n.encode() for n in self._tier_names]
         # Code 0 is a miss; tier i answers i + 1 (index into the reply's tier_names).
@@ -380,34 +291,41 @@ class KVCacheService:
             # apart: on a call that is over it raises CancelledError, before anything is
             # stored.
             await context.send_initial_metadata(())
-            invalid = len(results) - len(staged)
-            if invalid:
-                self._metrics.tenant_rejected(tenant.name, "invalid_block", invalid)
-            stored_bytes = 0
-            reconciled = False
-            for n, (position, key, blob) in enumerate(staged, 1):
-                if n % YIELD_EVERY_BLOCKS == 0:
-                    await asyncio.sleep(0)
-                stored_key = tenant.stored_key(key)
+            return await self.store_staged(tenant, results, staged)
+
+    async def store_staged(
+        self, tenant: Tenant, results: list[pb.PutResult], staged: Staged
+    ) -> pb.PutReply:
+        """Store the validated blocks of one Put (gRPC or bulk) for ``tenant``, each charged
+        to its quota; ``results`` (one slot per block, rejections filled) completed."""
+        invalid = len(results) - len(staged)
+        if invalid:
+            self._metrics.tenant_rejected(tenant.name, "invalid_block", invalid)
+        stored_bytes = 0
+        reconciled = False
+        for n, (position, key, blob) in enumerate(staged, 1):
+            if n % YIELD_EVERY_BLOCKS == 0:
+                await asyncio.sleep(0)
+            stored_key = tenant.stored_key(key)
+            admitted = self.quotas.admit(tenant, stored_key, len(blob))
+            if not admitted and not reconciled:
+                # The ledger over-counts what tiers evicted meanwhile: recount, once.
+                reconciled = True
+                await self.quotas.reconcile(tenant, self._store.lookup)
                 admitted = self.quotas.admit(tenant, stored_key, len(blob))
-                if not admitted and not reconciled:
-                    # The ledger over-counts what tiers evicted meanwhile: recount, once.
-                    reconciled = True
-                    await self.quotas.reconcile(tenant, self._store.lookup)
-                    admitted = self.quotas.admit(tenant, stored_key, len(blob))
-                if not admitted:
-                    results[position] = self._over_quota(tenant, key, position, len(blob))
-                    continue
-                results[position] = await self._store_block(key, stored_key, blob, tenant)
-                stored_bytes += len(blob)
-            if self.quotas.sweep_due(tenant):
-                await self.quotas.sweep(tenant, self._store.lookup)
-            self._metrics.put_bytes(stored_bytes)
-            self._metrics.tenant_put_bytes(tenant.name, stored_bytes)
-            if tenant.quota_bytes:
-                used = self.quotas.used_bytes(tenant)
-                self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
-            return pb.PutReply(results=results)
+            if not admitted:
+                results[position] = self._over_quota(tenant, key, position, len(blob))
+                continue
+            results[position] = await self._store_block(key, stored_key, blob, tenant)
+            stored_bytes += len(blob)
+        if self.quotas.sweep_due(tenant):
+            await self.quotas.sweep(tenant, self._store.lookup)
+        self._metrics.put_bytes(stored_bytes)
+        self._metrics.tenant_put_bytes(tenant.name, stored_bytes)
+        if tenant.quota_bytes:
+            used = self.quotas.used_bytes(tenant)
+            self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
+        return pb.PutReply(results=results)
 
     def _over_quota(self, tenant: Tenant, key: bytes, position: int, size: int) -> pb.PutResult:
         """The result of a block refused because its tenant's quota is full."""
@@ -447,9 +365,7 @@ class KVCacheService:
                         "PutFrame.key: the first frame of a block must carry its key"
                     )
                 if partial.add(data):
-                    await self._check_block(
-                        partial.key, memoryview(partial.blob()), results, staged
-                    )
+                    await self.check_block(partial.key, memoryview(partial.blob()), results, staged)
                     partial = None
                 continue
             position = len(results)
@@ -496,7 +412,7 @@ class KVCacheService:
                 await asyncio.sleep(0)  # many tiny blocks must not hold the loop
             if len(data) == size:
                 # The common case, a block in one frame: kept as a view of the message.
-                await self._check_block(key, data, results, staged)
+                await self.check_block(key, data, results, staged)
             elif len(data) > size:
                 raise _bad_framing(
                     f"PutFrame.data: block #{position} got {len(data)} bytes, more than its "
@@ -511,10 +427,11 @@ class KVCacheService:
             )
         return results, staged
 
-    async def _check_block(
+    async def check_block(
         self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
     ) -> None:
-        """Validate one complete block: stage it, or fill its result with the rejection."""
+        """Validate one complete block (the last of ``results``): stage it, or fill its
+        result with the rejection."""
         position = len(results) - 1
         problem = await self.verifier.check_async(key, blob)
         if problem is None:
@@ -695,6 +612,33 @@ class KVCacheService:
         assert isinstance(request, pb.DetachShmRequest)
         return pb.DetachShmReply(detached=self.shm.detach(tenant.name, request.session))
 
+    def offer_bulk(self, host: str) -> BulkServer:
+        """Serve Gets over a bulk byte stream too, bound on ``host`` (plaintext servers)."""
+        self.bulk = BulkServer(
+            self._store,
+            self._metrics,
+            host=host,
+            config=self._config,
+            codes=self._codes,
+            inflight=self.inflight,
+            intake=self,
+        )
+        return self.bulk
+
+    async def OpenBulk(
+        self, request: pb.OpenBulkRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenBulkReply:
+        """A one-use ticket for a bulk byte-stream connection of the caller's tenant."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+        except _Rejected as r:
+            await self._abort(context, "OpenBulk", r)
+        if self.bulk is None:
+            return pb.OpenBulkReply(refused="this server offers no bulk stream (TLS or off)")
+        port, ticket = await self.bulk.ticket(tenant)
+        return pb.OpenBulkReply(port=port, ticket=ticket, ticket_ttl_ms=int(TICKET_TTL_S * 1000))
+
     async def Delete(
         self, request: pb.DeleteRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteReply:
@@ -781,6 +725,11 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
             service.DetachShm,
             request_deserializer=lenient_parser(pb.DetachShmRequest),
             response_serializer=pb.DetachShmReply.SerializeToString,
+        ),
+        "OpenBulk": grpc.unary_unary_rpc_method_handler(
+            service.OpenBulk,
+            request_deserializer=lenient_parser(pb.OpenBulkRequest),
+            response_serializer=pb.OpenBulkReply.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -50,7 +50,6 @@ import asyncio
 import hmac
 import logging
 import os
-import re
 import secrets
 import stat
 import time
@@ -60,6 +59,19 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import grpc
+
+from nopecache.proto.shm_layout import (
+    ALIGN,
+    HEADER_BYTES,
+    MAGIC,
+    NAME_PREFIX,
+    NAME_RE,
+    NONCE_AT,
+    NONCE_BYTES,
+    SESSION_AT,
+    SESSION_BYTES,
+    align,
+)
 
 __all__ = [
     "ALIGN",
@@ -77,19 +89,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-NAME_PREFIX = "nopecache-"
-_NAME_RE = re.compile(r"^nopecache-[A-Za-z0-9_.-]{1,200}$")
-MAGIC = b"nopecache-shm-v1"
-NONCE_BYTES = 16
-SESSION_BYTES = 16
-_NONCE_AT = 16
-_SESSION_AT = 32
-HEADER_BYTES = 4096
-ALIGN = 64
-
-
-def _align(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
+# The segment layout is the wire contract's (proto/shm_layout.py), shared with the client.
+_NAME_RE = NAME_RE
+_NONCE_AT = NONCE_AT
+_SESSION_AT = SESSION_AT
+_align = align
 
 
 class ShmRequestError(Exception):

@@ -254,6 +254,29 @@ class TieredStore:
             self._observer.on_miss()
         return found
 
+    async def get_into(self, key: bytes, out: memoryview) -> tuple[int, TierName] | None:
+        """``get`` of one key copied into ``out`` (see ``Tier.get_into``): (size, tier), or
+        None on a miss. The fastest tier copies its pages straight into ``out``; a hit
+        below it goes through ``get_many`` (and is promoted). A blob larger than ``out``
+        is not copied and not counted: ask again with ``size`` bytes of room. A fastest
+        tier that is not ``trusted`` goes through ``get_many`` too (its blobs are verified)."""
+        check_key(key)
+        top = self._tiers[0]
+        if top.trusted or self._verify is None:
+            size = await top.get_into(key, out)
+            self._note_health(0)
+            if size is not None:
+                if size <= out.nbytes:
+                    self._observer.on_hit(top.name)
+                return size, top.name
+        found = (await self.get_many([key]))[0]
+        if found is None:
+            return None
+        blob, tier = found
+        if len(blob) <= out.nbytes:
+            out[: len(blob)] = blob
+        return len(blob), tier
+
     async def _checked(
         self, tier: Tier, keys: Sequence[bytes], blobs: Sequence[bytes | None]
     ) -> Sequence[bytes | None]:

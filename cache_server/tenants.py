@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nopecache.proto.contract import KEY_BYTES
+
 if TYPE_CHECKING:
     from nopecache.cache_server.tiers import TierStats
 
@@ -66,7 +68,6 @@ __all__ = [
     "own_stats",
 ]
 
-KEY_BYTES = 16
 NAMESPACE_BYTES = 8
 _PERSON = b"nopecache-tenant"
 # Letters, digits and ._- (a Prometheus label value and a log token without quoting).

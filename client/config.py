@@ -55,6 +55,8 @@ import grpc
 from nopecache.client.chunking import ContentChunker
 from nopecache.client.cost import CostConfig
 from nopecache.client.errors import InvalidArgumentError
+from nopecache.proto.contract import DEFAULT_PORT, METHODS, SERVICE_NAME
+from nopecache.proto.sizes import SizeError, parse_size
 
 __all__ = [
     "DEFAULT_CHUNKER",
@@ -67,6 +69,7 @@ __all__ = [
     "METHODS",
     "SERVICE",
     "URL_PARAMS",
+    "BulkMode",
     "ClientConfig",
     "DiscoverMode",
     "DnsFamily",
@@ -76,12 +79,9 @@ __all__ = [
     "split_server",
 ]
 
-# The server's default gRPC port (cache_server/config.py DEFAULT_PORT; a test checks they
-# agree, since the client may not import the server).
-DEFAULT_PORT = 50551
 ENV_URL = "NOPECACHE_CLIENT_URL"
-SERVICE = "nopecache.v1.KVCache"
-METHODS = ("Lookup", "Get", "Put", "Delete", "Stats", "AttachShm", "DetachShm")
+# The service's name, methods and default port come from the wire contract (proto/).
+SERVICE = SERVICE_NAME
 SCHEME = "nopecache"
 TLS_SCHEME = "nopecaches"
 # The server's max_message_bytes defaults to 4 MiB and its max_block_bytes to 64 MiB. The
@@ -110,6 +110,7 @@ DEFAULT_CHUNKER = ContentChunker(
 _MAX_BLOCK_TOKENS = 1 << 20
 
 ShmMode = Literal["auto", "on", "off"]
+BulkMode = Literal["auto", "off"]
 _SHM_MODES: tuple[str, ...] = ("auto", "on", "off")
 DiscoverMode = Literal["off", "dns"]
 """``off``: each server entry is one server; ``dns``: each is a name for all it resolves to."""
@@ -326,6 +327,9 @@ class ClientConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     # Same-host shared-memory payloads: "auto" when the server reports our host id.
     shm: ShmMode = "auto"
+    # Get and Put payloads over the server's bulk byte stream when it offers one (plaintext
+    # servers; "off": always the gRPC streams). See client/bulk.py.
+    bulk: BulkMode = "auto"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Blocks waiting in the non-blocking store queue; a store beyond it is dropped (counted).
     store_queue_blocks: int = 256
@@ -397,6 +401,8 @@ class ClientConfig:
             )
         if self.shm not in _SHM_MODES:
             raise InvalidArgumentError("shm", f"must be one of {_SHM_MODES}, got {self.shm!r}")
+        if self.bulk not in ("auto", "off"):
+            raise InvalidArgumentError("bulk", f"must be 'auto' or 'off', got {self.bulk!r}")
         _int_in("max_message_bytes", self.max_message_bytes, _MIN_MESSAGE_BYTES, _GRPC_MAX_MESSAGE)
         _int_in("store_queue_blocks", self.store_queue_blocks, 1, 1 << 20)
         if not isinstance(self.cost, CostConfig):
@@ -460,6 +466,7 @@ class ClientConfig:
             "Delete": self.control_timeout_s,
             "AttachShm": self.control_timeout_s,
             "DetachShm": self.control_timeout_s,
+            "OpenBulk": self.control_timeout_s,
             "Stats": self.control_timeout_s,
         }
 
@@ -563,17 +570,6 @@ class ClientConfig:
 
 # -- URL parameters -------------------------------------------------------------------
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-}
-_SIZE_RE = re.compile(r"^([0-9]+)\s*([A-Za-z]*)$")
 _DURATION_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)?$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -588,11 +584,11 @@ def _parse_duration(name: str, raw: str) -> float:
 
 
 def _parse_size(name: str, raw: str) -> int:
-    match = _SIZE_RE.match(raw.strip())
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise InvalidArgumentError(name, f"expected a byte size such as 64MiB: {raw!r}")
-    return int(match.group(1)) * _UNITS[unit]
+    # The one parser the server uses too (proto/sizes.py): 64Mi, 1.5GiB and 1TB alike.
+    try:
+        return parse_size(raw, field=name)
+    except SizeError as e:
+        raise InvalidArgumentError(name, str(e).removeprefix(f"{name}: ")) from e
 
 
 def _parse_bool(name: str, raw: str) -> bool:
@@ -668,6 +664,7 @@ URL_PARAMS: dict[str, _Param] = {
     "control_timeout": _Param("control_timeout_s", _parse_duration),
     "connect_timeout": _Param("connect_timeout_s", _parse_duration),
     "shm": _Param("shm", _parse_text),
+    "bulk": _Param("bulk", _parse_text),
     "max_message_bytes": _Param("max_message_bytes", _parse_size),
     "store_queue_blocks": _Param("store_queue_blocks", _parse_int),
     "down_backoff": _Param("down_backoff_s", _parse_duration),
@@ -700,6 +697,9 @@ URL_PARAMS: dict[str, _Param] = {
     "cost_safety_factor": _Param("safety_factor", _parse_float, "cost"),
     "cost_min_samples": _Param("min_samples", _parse_int, "cost"),
     "cost_ewma_alpha": _Param("ewma_alpha", _parse_float, "cost"),
+    "cost_window": _Param("window", _parse_int, "cost"),
+    "cost_max_age": _Param("max_age_s", _parse_duration, "cost"),
+    "cost_probe_share": _Param("probe_share", _parse_float, "cost"),
 }
 
 

@@ -11,15 +11,33 @@ and keeps the hit when ``fetch_s * safety_factor <= prefill_s``. It keeps every 
 server it has not measured often enough yet (``min_samples``): without data, dropping a
 hit would throw work away on a guess, and the first fetches are the measurements.
 
-Estimators (per server, exponentially weighted with ``ewma_alpha``):
+Estimators, per server, over its last ``window`` samples younger than ``max_age_s``:
 
-* ``rtt``: the mean latency of small calls (:meth:`CostModel.observe_rtt`; a Lookup is one).
-* ``bandwidth``: a ratio of averages, ``avg(bytes) / avg(seconds - rtt)`` over fetches.
-  A ratio of averages (not an average of per-fetch rates) weighs large transfers by their
-  size and cannot blow up on a fetch that took almost no time beyond its round trip.
-* ``prefill``: ``prefill_tokens_per_s`` from the config when the engine reports it, else
-  ``avg(tokens) / avg(seconds)`` of :meth:`CostModel.observe_prefill` once there are
-  ``min_samples`` of them, else ``default_prefill_tokens_per_s``.
+* ``rtt``: the mean latency of small calls (:meth:`CostModel.observe_rtt`; a Lookup is
+  one), exponentially weighted with ``ewma_alpha``.
+* ``bandwidth``: a ratio of sums, ``sum(bytes) / sum(seconds - rtt)`` over the window's
+  fetches. A ratio of sums (not a mean of per-fetch rates) weighs large transfers by
+  their size and cannot blow up on a fetch that took almost no time beyond its round
+  trip. Every sample of the window weighs the same, so a cold first fetch (channel
+  set-up, page faults) is one of ``window`` and ages out of it, never the estimate's
+  starting point that later samples only nudge.
+* ``prefill``: ``prefill_tokens_per_s`` from the config when set, else
+  ``sum(tokens) / sum(seconds)`` of the engine's :meth:`CostModel.observe_prefill` over
+  the same kind of window once there are ``min_samples`` of them, else
+  ``default_prefill_tokens_per_s``. The adapters report every prefill they run.
+
+It keeps learning. A dropped hit is never fetched, so it measures nothing; a model that
+only dropped would never see a server get faster. Three rules prevent that lock-out:
+
+* samples expire after ``max_age_s``: a server unmeasured again is tried again;
+* a server whose hits are dropped gets one hit in ``1 / probe_share`` kept anyway
+  (reason ``"probe"``), whose fetch is a fresh sample;
+* the window is short (``window``), so a few fast probes outvote the slow past.
+
+So a server that was slow and is fast again gets its hits back within about
+``window / probe_share`` dropped hits (tests pin the bound). :meth:`CostModel.snapshot`
+shows both estimates and the last decision per server; the client's ``stats().cost``
+is that snapshot.
 
 Prefill time is modelled as linear in tokens. Attention makes long prefills superlinear,
 so the model errs toward dropping hits on very long prompts, the safe direction for
@@ -30,8 +48,10 @@ hit trimmed at the front), so the bytes are the block's and the tokens are the h
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
@@ -43,7 +63,9 @@ __all__ = [
     "CostConfig",
     "CostFilter",
     "CostModel",
+    "CostSnapshot",
     "FetchDecision",
+    "ServerCost",
     "bytes_per_token",
 ]
 
@@ -80,8 +102,14 @@ class CostConfig:
     safety_factor: float = 1.2
     # Fetches of a server (and prefills) needed before their estimate is trusted.
     min_samples: int = 3
-    # Weight of the newest sample in the exponentially weighted averages.
+    # Weight of the newest sample in the round-trip average.
     ewma_alpha: float = 0.2
+    # Samples an estimate is made of (the newest ones): short, so the model follows change.
+    window: int = 8
+    # Samples older than this are forgotten (a server unmeasured again is tried again).
+    max_age_s: float = 120.0
+    # Share of a server's would-be-dropped hits kept anyway, to measure it again.
+    probe_share: float = 0.05
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -107,6 +135,17 @@ class CostConfig:
         if alpha > 1:
             raise InvalidArgumentError("cost.ewma_alpha", f"must be in (0, 1], got {alpha}")
         object.__setattr__(self, "ewma_alpha", alpha)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise InvalidArgumentError("cost.window", f"must be an int >= 1, got {self.window!r}")
+        if self.window < self.min_samples:
+            raise InvalidArgumentError(
+                "cost.window", f"{self.window} is less than min_samples {self.min_samples}"
+            )
+        object.__setattr__(self, "max_age_s", _check_number("cost.max_age_s", self.max_age_s))
+        share = _check_number("cost.probe_share", self.probe_share)
+        if share > 1:
+            raise InvalidArgumentError("cost.probe_share", f"must be in (0, 1], got {share}")
+        object.__setattr__(self, "probe_share", share)
 
 
 def bytes_per_token(fingerprint: ModelFingerprint, v_head_dim: int | None = None) -> int:
@@ -147,7 +186,9 @@ class FetchDecision:
     tokens: int
     fetch_s: float | None
     prefill_s: float
-    reason: str  # "disabled", "unmeasured", "cheaper_to_fetch" or "cheaper_to_recompute"
+    # "disabled", "unmeasured", "cheaper_to_fetch", "cheaper_to_recompute" or "probe" (a
+    # hit kept although recomputing looked cheaper, to measure the server again)
+    reason: str
 
 
 class _Ewma:
@@ -165,26 +206,72 @@ class _Ewma:
         self.count += 1
 
 
+class _Window:
+    """The newest ``size`` (amount, seconds) samples, each stamped with when it was taken."""
+
+    __slots__ = ("_samples",)
+
+    def __init__(self, size: int) -> None:
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=size)
+
+    def add(self, now: float, amount: float, seconds: float) -> None:
+        self._samples.append((now, amount, seconds))
+
+    def live(self, now: float, max_age_s: float) -> list[tuple[float, float, float]]:
+        """The samples younger than ``max_age_s`` (older ones are dropped for good)."""
+        samples = self._samples
+        while samples and now - samples[0][0] > max_age_s:
+            samples.popleft()
+        return list(samples)
+
+
 class _ServerStats:
-    """RTT and transfer averages of one server."""
+    """RTT average, fetch window, probe counter and last decision of one server."""
 
-    __slots__ = ("fetch_bytes", "fetch_seconds", "rtt")
+    __slots__ = ("drops", "fetches", "last", "probes", "rtt")
 
-    def __init__(self, alpha: float) -> None:
-        self.rtt = _Ewma(alpha)
-        self.fetch_bytes = _Ewma(alpha)
-        self.fetch_seconds = _Ewma(alpha)
+    def __init__(self, config: CostConfig) -> None:
+        self.rtt = _Ewma(config.ewma_alpha)
+        self.fetches = _Window(config.window)
+        self.drops = 0  # hits dropped since the last probe
+        self.probes = 0  # probes taken in all
+        self.last: FetchDecision | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerCost:
+    """What the model believes about one server (None: not measured, hits are kept)."""
+
+    rtt_s: float | None
+    bandwidth_bytes_per_s: float | None
+    samples: int  # live fetch samples in the window
+    probes: int  # hits kept as probes so far
+    last_decision: FetchDecision | None
+
+
+@dataclass(frozen=True, slots=True)
+class CostSnapshot:
+    """Both sides of the decision, as a client's ``stats().cost`` shows them."""
+
+    enabled: bool
+    prefill_tokens_per_s: float
+    prefill_source: str  # "config", "engine" (learned from observe_prefill) or "default"
+    prefill_samples: int
+    servers: Mapping[str, ServerCost] = field(default_factory=dict)
 
 
 class CostModel:
     """Per-server fetch estimates and the engine's prefill rate; thread-safe.
 
-    Concurrency: one ``threading.Lock`` guards every average (the per-server table and
-    the prefill averages). Each method holds it for a few arithmetic operations and never
+    Concurrency: one ``threading.Lock`` guards every estimator (the per-server table and
+    the prefill window). Each method holds it for a few arithmetic operations and never
     across I/O, so fetch threads may record samples while the planner asks for decisions.
+    ``clock`` (seconds, monotonic) dates samples; injectable for tests.
     """
 
-    def __init__(self, config: CostConfig | None = None) -> None:
+    def __init__(
+        self, config: CostConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         """A model with no samples yet, configured by ``config`` (defaults if None)."""
         if config is None:
             config = CostConfig()
@@ -193,27 +280,26 @@ class CostModel:
                 "config", f"must be a CostConfig, got {type(config).__name__}"
             )
         self.config = config
+        self._clock = clock
         self._lock = threading.Lock()
         self._servers: dict[str, _ServerStats] = {}
-        self._prefill_tokens = _Ewma(config.ewma_alpha)
-        self._prefill_seconds = _Ewma(config.ewma_alpha)
+        self._prefills = _Window(config.window)
 
     def _server(self, server: str) -> _ServerStats:
         # Caller holds self._lock.
         stats = self._servers.get(server)
         if stats is None:
-            stats = self._servers[server] = _ServerStats(self.config.ewma_alpha)
+            stats = self._servers[server] = _ServerStats(self.config)
         return stats
 
+    # -- samples ----------------------------------------------------------------------
     def observe_fetch(self, server: str, nbytes: int, seconds: float) -> None:
         """Record that fetching ``nbytes`` from ``server`` took ``seconds`` (whole call)."""
         _check_server(server)
         _check_number("nbytes", nbytes, positive=False)
         seconds = _check_number("seconds", seconds, positive=False)
         with self._lock:
-            stats = self._server(server)
-            stats.fetch_bytes.add(float(nbytes))
-            stats.fetch_seconds.add(seconds)
+            self._server(server).fetches.add(self._clock(), float(nbytes), seconds)
 
     def observe_rtt(self, server: str, seconds: float) -> None:
         """Record the latency of a call to ``server`` that moved almost no payload."""
@@ -228,9 +314,9 @@ class CostModel:
             raise InvalidArgumentError("tokens", f"must be an int >= 1, got {tokens!r}")
         seconds = _check_number("seconds", seconds)
         with self._lock:
-            self._prefill_tokens.add(float(tokens))
-            self._prefill_seconds.add(seconds)
+            self._prefills.add(self._clock(), float(tokens), seconds)
 
+    # -- estimates --------------------------------------------------------------------
     def rtt_s(self, server: str) -> float | None:
         """The averaged round trip to ``server``, or None before any sample."""
         with self._lock:
@@ -240,24 +326,28 @@ class CostModel:
             return stats.rtt.value
 
     def bandwidth_bytes_per_s(self, server: str) -> float | None:
-        """Measured transfer rate from ``server`` (None: too few samples)."""
+        """Measured transfer rate from ``server`` (None: too few live samples)."""
         with self._lock:
             return self._bandwidth(self._servers.get(server))
 
     def _bandwidth(self, stats: _ServerStats | None) -> float | None:
         # Caller holds self._lock.
-        if stats is None or stats.fetch_bytes.count < self.config.min_samples:
+        if stats is None:
+            return None
+        samples = stats.fetches.live(self._clock(), self.config.max_age_s)
+        if len(samples) < self.config.min_samples:
             return None
         rtt = stats.rtt.value if stats.rtt.count else 0.0
-        transfer_s = stats.fetch_seconds.value - rtt
+        nbytes = sum(s[1] for s in samples)
+        seconds = sum(s[2] for s in samples)
+        transfer_s = seconds - rtt * len(samples)
         if transfer_s <= 0.0:
             # Fetches finished within one averaged round trip (small blocks, or shared
             # memory beating the RTT): the payload time is not separable, so the whole
             # call time counts as transfer. A lower bound on bandwidth, never "free": an
             # infinite rate would price any later fetch, however large, at one RTT.
-            seconds = stats.fetch_seconds.value
-            return stats.fetch_bytes.value / seconds if seconds > 0.0 else float("inf")
-        return stats.fetch_bytes.value / transfer_s
+            return nbytes / seconds if seconds > 0.0 else float("inf")
+        return nbytes / transfer_s
 
     def estimate_fetch_s(self, server: str, nbytes: int, *, with_rtt: bool = True) -> float | None:
         """Estimated seconds to fetch ``nbytes`` from ``server``; None with too few samples.
@@ -274,14 +364,19 @@ class CostModel:
             rtt = stats.rtt.value if (with_rtt and stats.rtt.count) else 0.0
         return rtt + nbytes / bandwidth
 
-    def prefill_tokens_per_s(self) -> float:
-        """The prefill rate used: reported, else learned, else the configured default."""
+    def _prefill_rate(self) -> tuple[float, str, int]:
+        # Caller holds self._lock.
+        samples = self._prefills.live(self._clock(), self.config.max_age_s)
         if self.config.prefill_tokens_per_s is not None:
-            return self.config.prefill_tokens_per_s
+            return self.config.prefill_tokens_per_s, "config", len(samples)
+        if len(samples) >= self.config.min_samples:
+            return sum(s[1] for s in samples) / sum(s[2] for s in samples), "engine", len(samples)
+        return self.config.default_prefill_tokens_per_s, "default", len(samples)
+
+    def prefill_tokens_per_s(self) -> float:
+        """The prefill rate used: configured, else learned from the engine, else default."""
         with self._lock:
-            if self._prefill_tokens.count >= self.config.min_samples:
-                return self._prefill_tokens.value / self._prefill_seconds.value
-        return self.config.default_prefill_tokens_per_s
+            return self._prefill_rate()[0]
 
     def estimate_prefill_s(self, tokens: int) -> float:
         """Estimated seconds for the engine to prefill ``tokens`` tokens."""
@@ -289,8 +384,10 @@ class CostModel:
             raise InvalidArgumentError("tokens", f"must be an int >= 0, got {tokens!r}")
         return tokens / self.prefill_tokens_per_s()
 
+    # -- decisions --------------------------------------------------------------------
     def decide(self, hit: Hit, nbytes: int, server: str, *, with_rtt: bool = True) -> FetchDecision:
-        """The keep/drop decision for fetching ``hit`` (``nbytes`` of block) from ``server``."""
+        """The keep/drop decision for fetching ``hit`` (``nbytes`` of block) from ``server``
+        (a query: no probing, nothing recorded; :class:`CostFilter` does both)."""
         if not isinstance(hit, Hit):
             raise InvalidArgumentError("hit", f"must be a Hit, got {type(hit).__name__}")
         _check_server(server)
@@ -310,6 +407,35 @@ class CostModel:
         """True when ``hit`` is worth fetching from ``server`` (see :meth:`decide`)."""
         return self.decide(hit, nbytes, server).keep
 
+    def record(self, decision: FetchDecision) -> FetchDecision:
+        """Note a decision taken for a plan, turning every ``1 / probe_share``-th drop of
+        its server into a probe (kept to measure the server again); the final decision."""
+        with self._lock:
+            stats = self._server(decision.server)
+            if not decision.keep and decision.reason == "cheaper_to_recompute":
+                stats.drops += 1
+                if stats.drops * self.config.probe_share >= 1.0:
+                    stats.drops = 0
+                    stats.probes += 1
+                    decision = replace(decision, keep=True, reason="probe")
+            stats.last = decision
+        return decision
+
+    def snapshot(self) -> CostSnapshot:
+        """Both estimates and the last decision per server, now."""
+        with self._lock:
+            rate, source, count = self._prefill_rate()
+            servers = {}
+            for name, stats in self._servers.items():
+                servers[name] = ServerCost(
+                    rtt_s=stats.rtt.value if stats.rtt.count else None,
+                    bandwidth_bytes_per_s=self._bandwidth(stats),
+                    samples=len(stats.fetches.live(self._clock(), self.config.max_age_s)),
+                    probes=stats.probes,
+                    last_decision=stats.last,
+                )
+        return CostSnapshot(self.config.enabled, rate, source, count, servers)
+
     def hit_filter(self, bytes_per_token: int, owner: Callable[[bytes], str]) -> CostFilter:
         """A ``keep`` filter for one :func:`~nopecache.client.plan.plan_reuse` call."""
         return CostFilter(self, bytes_per_token, owner)
@@ -320,7 +446,8 @@ class CostFilter:
 
     One filter serves one plan. A plan's blocks travel in one Get stream per server, so
     only the first block kept from a server is charged the round trip; the rest cost
-    their bytes. ``decisions`` maps each block key to the decision taken for it.
+    their bytes. ``decisions`` maps each block key to the decision taken for it (probes
+    included, see :meth:`CostModel.record`).
     """
 
     def __init__(
@@ -346,7 +473,9 @@ class CostFilter:
         server = self.owner(bytes(hit.key))
         # The whole stored block travels, even when the plan uses only its tail.
         nbytes = hit.source.end * self.bytes_per_token
-        decision = self.model.decide(hit, nbytes, server, with_rtt=server not in self._charged)
+        decision = self.model.record(
+            self.model.decide(hit, nbytes, server, with_rtt=server not in self._charged)
+        )
         if decision.keep:
             self._charged.add(server)
         self.decisions[hit.key] = decision

@@ -7,6 +7,10 @@ something impossible: a malformed argument, a block of another model.
     NopecacheError
      +-- InvalidArgumentError   (also a ValueError)
      +-- FingerprintMismatchError
+     +-- TransportError         (internal: a server broke the contract; becomes misses)
+
+A server's refusal of one block is not an exception either: it is a
+``StoreResult`` with ``StoreStatus.REJECTED`` and the server's reason (transport.py).
 """
 
 from __future__ import annotations
@@ -35,3 +39,12 @@ class InvalidArgumentError(NopecacheError, ValueError):
 
 class FingerprintMismatchError(NopecacheError):
     """Data made for one model fingerprint was offered to a client of another."""
+
+
+class TransportError(NopecacheError):
+    """A server's reply broke the wire contract (bad frame, wrong count, bad limits).
+
+    Raised inside the transport (and by fast-path sources) and handled like an RPC
+    failure: the server is marked down and its keys become misses; it never reaches the
+    engine.
+    """

@@ -40,6 +40,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
+from nopecache.client.cost import CostSnapshot
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.plan import HitKind, ReusePlan
 
@@ -112,6 +113,9 @@ class ClientStats:
     server_errors: Mapping[str, int] = field(default_factory=dict)
     timeouts: Mapping[str, int] = field(default_factory=dict)
     unreachable_keys: Mapping[str, int] = field(default_factory=dict)
+    # The cost model's view (prefill rate, per-server estimates and last decision); set by
+    # the client's ``stats()``, None in a bare metrics snapshot.
+    cost: CostSnapshot | None = None
 
     @property
     def hit_tokens(self) -> int:

@@ -63,7 +63,6 @@ import mmap
 import os
 import re
 import secrets
-import socket
 import threading
 import time
 import weakref
@@ -75,17 +74,24 @@ import grpc
 import grpc.aio
 import numpy as np
 
-from nopecache.client.config import SERVICE, ShmMode
-from nopecache.client.errors import InvalidArgumentError
-from nopecache.client.transport import (
-    BlockSource,
-    ServerConnection,
-    ServerInfo,
-    TransportError,
-    decode_get_frame,
-)
+from nopecache.client.config import ShmMode
+from nopecache.client.errors import InvalidArgumentError, TransportError
+from nopecache.client.transport import BlockSource, ServerConnection, ServerInfo
 from nopecache.proto import cache_pb2 as pb
-from nopecache.proto.block import KEY_BYTES
+from nopecache.proto.contract import KEY_BYTES, method_path
+from nopecache.proto.frames import GetFrameAssembler
+from nopecache.proto.shm_layout import (
+    ALIGN,
+    HEADER_BYTES,
+    MAGIC,
+    NAME_PREFIX,
+    NONCE_AT,
+    NONCE_BYTES,
+    SESSION_AT,
+    SESSION_BYTES,
+    align,
+    host_id,
+)
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -101,21 +107,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "nopecache-"
+SEGMENT_PREFIX = NAME_PREFIX
 _PREFIX_RE = re.compile(r"^nopecache-[A-Za-z0-9_.-]{0,120}$")
 DEFAULT_SEGMENT_BYTES = 128 * 1024**2
 # A /dev/shm too small for the requested size (Docker's default is 64 MiB) gets a segment
 # halved down to this; below it the fast path is not worth a session.
 MIN_SEGMENT_BYTES = 8 * 1024**2
-# Header layout (proto/cache.proto; cache_server/shm.py holds the same numbers, a test
-# checks that they agree, as client and server may not import each other).
-MAGIC = b"nopecache-shm-v1"
-NONCE_BYTES = 16
-SESSION_BYTES = 16
-_NONCE_AT = 16
-_SESSION_AT = 32
-HEADER_BYTES = 4096
-ALIGN = 64
+# The header layout is the wire contract's (proto/shm_layout.py).
 ORPHAN_AGE_S = 60.0
 QUARANTINE_S = 2.0
 # A new session after a lost one only this often: more clients than the server's session
@@ -129,20 +127,7 @@ _ESTIMATE_WINDOW = 32
 _TRANSIENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def host_id() -> str:
-    """Hostname plus kernel boot id: what a server on this host reports as its host_id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
+_align = align
 
 
 def sweep_orphans(
@@ -224,8 +209,8 @@ class Segment:
             raise
         os.close(fd)
         nonce = secrets.token_bytes(NONCE_BYTES)
-        mm[0:_NONCE_AT] = MAGIC
-        mm[_NONCE_AT : _NONCE_AT + NONCE_BYTES] = nonce
+        mm[0:NONCE_AT] = MAGIC
+        mm[NONCE_AT : NONCE_AT + NONCE_BYTES] = nonce
         return cls(path, mm, nonce)
 
     def unlink(self) -> None:
@@ -236,7 +221,7 @@ class Segment:
     def session_ack(self) -> bytes:
         """The session id the server wrote into the header."""
         assert self.mm is not None
-        return self.mm[_SESSION_AT : _SESSION_AT + SESSION_BYTES]
+        return self.mm[SESSION_AT : SESSION_AT + SESSION_BYTES]
 
     def close(self) -> None:
         """Unlink and unmap; while block views are alive the mapping stays until the last
@@ -404,8 +389,13 @@ class ShmSource:
         """Whether a session is held now."""
         return self._att is not None
 
-    def _method(self, name: str) -> str:
-        return f"/{SERVICE}/{name}"
+    @staticmethod
+    def _method(name: str) -> str:
+        return method_path(name)
+
+    async def warm(self) -> None:
+        """Attach now (segment created and mapped, session made) instead of on first Get."""
+        await self._ready()
 
     # -- session ----------------------------------------------------------------------
     async def _ready(self) -> _Attached | None:
@@ -532,7 +522,7 @@ class ShmSource:
             start += count
         if start < n:
             rest = keys[start * KEY_BYTES :]
-            blocks = self._conn.grpc_blocks(rest, _remaining(deadline))
+            blocks = self._conn.data_blocks(rest, _remaining(deadline))
             try:
                 async for index, blob in blocks:
                     if blob is not None:
@@ -590,70 +580,37 @@ class ShmSource:
             request_serializer=pb.GetRequest.SerializeToString,
             response_deserializer=None,
         )(request, timeout=_remaining(deadline), metadata=self._conn.metadata)
-        n = len(keys) // KEY_BYTES
+        frames = GetFrameAssembler(len(keys) // KEY_BYTES, self._conn.pool.take)
         lo, hi = window.offset, window.offset + window.size
         used_end = lo
-        expect = 0
-        buffer: memoryview | None = None
-        filled = 0
         clean = False
         try:
             async for raw in call:
                 assert isinstance(raw, bytes)
-                index, tier, total, data = decode_get_frame(raw)
-                if buffer is not None:  # the next frame of a block sent as data frames
-                    end = filled + data.nbytes
-                    if index != expect or tier or total or end > buffer.nbytes or not data.nbytes:
-                        raise TransportError(
-                            f"GetFrame: expected more of block {expect}, got index {index}"
-                        )
-                    buffer[filled:end] = data
-                    filled = end
-                    if filled == buffer.nbytes:
-                        block, buffer = buffer, None
-                        expect += 1
-                        owner._count(False, block.nbytes)
-                        yield expect - 1, block
+                entry = frames.feed(raw)
+                if entry is None:
                     continue
-                if index != expect or index >= n:
-                    raise TransportError(f"GetFrame.index: got {index}, expected {expect}")
-                if not tier:
-                    if data.nbytes or total:
-                        raise TransportError(f"GetFrame: miss of key {index} carries data")
-                    expect += 1
-                    yield index, None
-                    continue
-                if total <= 0 or data.nbytes > total:
-                    raise TransportError(
-                        f"GetFrame.total_size: {total} for a first frame of {data.nbytes} bytes"
-                    )
-                self._sizes.append(total)
-                if not data.nbytes:
-                    frame = pb.GetFrame.FromString(raw)  # small: no data
-                    at, length = frame.shm_offset, frame.shm_length
-                    if length != total or at < lo or at + length > hi:
+                index, blob = entry.index, entry.blob
+                if entry.shm_length:
+                    at, length = entry.shm_offset, entry.shm_length
+                    if at < lo or at + length > hi:
                         raise TransportError(
                             f"GetFrame.shm_offset/shm_length: [{at}, {at + length}) for a "
-                            f"block of {total} bytes, outside the window [{lo}, {hi})"
+                            f"block of {length} bytes, outside the window [{lo}, {hi})"
                         )
                     used_end = max(used_end, at + length)
-                    expect += 1
+                    self._sizes.append(length)
                     owner._count(True, length)
                     yield index, windows.view(window, at, length)
                     continue
-                if data.nbytes == total:
-                    expect += 1
-                    owner._count(False, total)
-                    yield index, data
-                    continue
-                buffer = self._conn.pool.take(total)
-                buffer[: data.nbytes] = data
-                filled = data.nbytes
-            if expect != n:
-                raise TransportError(f"Get stream ended after {expect} of {n} keys")
+                if blob is not None:
+                    self._sizes.append(blob.nbytes)
+                    owner._count(False, blob.nbytes)
+                yield index, blob
+            frames.finish()
             clean = True
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and expect == 0:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and frames.expect == 0:
                 raise _SessionLost(e.details()) from e
             raise
         finally:

@@ -66,9 +66,12 @@ class CacheClient:
         metrics: ClientMetrics | None = None,
         fast_path: FastPathFactory | None = None,
         resolver: Resolver | None = None,
+        warm: bool = True,
     ) -> None:
         """A client of the servers in ``config`` (a ClientConfig or a nopecache:// URL);
-        the arguments are :class:`AsyncCacheClient`'s."""
+        the arguments are :class:`AsyncCacheClient`'s. With ``warm`` (the default) the
+        constructor returns once channels, buffers and the placement path are warm
+        (:meth:`AsyncCacheClient.warm`), so the first fetch is not the slowest."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="nopecache-client", daemon=True
@@ -89,6 +92,8 @@ class CacheClient:
                 resolver=resolver,
             )
             client._in_loop()
+            if warm:
+                await client.warm()
             return client
 
         try:

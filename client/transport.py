@@ -8,17 +8,14 @@ that breaks the wire contract) is logged once per outage, counted, marks the ser
 
     lookup  -> tier code 0 for every key
     get     -> None for every block not received yet
-    put     -> PutStatus.FAILED for every block not acknowledged
+    put     -> StoreStatus.FAILED for every block not acknowledged
     delete  -> 0,  stats -> None
 
 While down, calls answer that way at once without touching the network; the first
 call after the back-off is the probe. Retries of a failed attempt are gRPC's own
 (``ClientConfig.retry`` becomes the channel's service config), never a loop here.
 
-Not outages: UNAUTHENTICATED / PERMISSION_DENIED (a wrong token: a configuration error)
-is logged once at ERROR, counted, and the server's keys are misses for
-``max(down_backoff_s, 30 s)`` between probes, never a retry per call; RESOURCE_EXHAUSTED
-(a busy server: max_streams_per_client) makes misses of that call only.
+Which failures mark the server down, for how long, and how they are logged: health.py.
 
 Security. With ``config.use_tls`` the channel uses TLS; the CA, client certificate and key
 are read once, when the connection is built (an unreadable file is an
@@ -27,15 +24,13 @@ ones included, carries ``authorization: Bearer <token>`` as per-call metadata (g
 call credentials are refused on plaintext channels, and loopback may run without TLS).
 
 Data path. Put and Get carry the block bytes in frames of at most the server's
-``max_frame_data_bytes`` (learned once from ``Stats``). Both messages are encoded and
-decoded here in protobuf wire format rather than through the generated classes, as the
-server does: building a ``PutFrame`` copies its data into the message and serializing
-copies it again, and reading ``GetFrame.data`` copies it out of the parsed message.
-Here a Put frame is one ``b"".join`` of a small head and a memoryview slice of the blob
-(one copy), and a Get frame's data is a memoryview into the received message:
+``max_frame_data_bytes`` (learned once from ``Stats``), encoded and decoded by the wire
+contract's codecs (proto/frames.py) rather than the generated classes. A Put frame is
+one ``b"".join`` of a small head and a memoryview slice of the blob (one copy); a Get
+stream goes through the one :class:`~nopecache.proto.frames.GetFrameAssembler`:
 
-    one-frame block      yielded as that view (zero copies after gRPC's own)
-    multi-frame block    copied once into a buffer of total_size from a BufferPool
+    one-frame block      yielded as a view of the message (zero copies after gRPC's own)
+    multi-frame block    copied once into a buffer of total_size from the BufferPool
 
 Fast path seam. ``get`` reads blocks through one :data:`BlockSource` per connection: the
 gRPC stream above by default. A same-host transport (shared memory) plugs in with the
@@ -52,51 +47,39 @@ loop that creates them, so the channel is created lazily on first use). Its stat
 from __future__ import annotations
 
 import enum
-import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import grpc
 import grpc.aio
 
-from nopecache.client.config import SERVICE, ClientConfig
+from nopecache.client.buffers import BufferPool
+from nopecache.client.config import ClientConfig
 from nopecache.client.cost import CostModel
-from nopecache.client.errors import InvalidArgumentError
+from nopecache.client.errors import InvalidArgumentError, TransportError
+from nopecache.client.health import ServerHealth
 from nopecache.client.metrics import ClientMetrics
 from nopecache.proto import cache_pb2 as pb
-from nopecache.proto.block import KEY_BYTES
-from nopecache.proto.wire import WireError, encode_varint, read_varint
+from nopecache.proto.contract import API_VERSION, KEY_BYTES, method_path
+from nopecache.proto.frames import GetFrameAssembler, WireError, encode_put_frame
 
 __all__ = [
+    "BlockSink",
     "BlockSource",
     "BufferPool",
     "FastPathFactory",
-    "PutResult",
-    "PutStatus",
     "ServerConnection",
     "ServerInfo",
     "ServerLimits",
+    "StoreResult",
+    "StoreStatus",
     "TransportError",
-    "decode_get_frame",
-    "encode_put_frame",
 ]
-
-log = logging.getLogger(__name__)
 
 BytesLike = bytes | bytearray | memoryview
 
-# Failures of these codes are about one request, not about the server: they are logged and
-# counted but do not mark the server down.
-_REQUEST_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
-# The server is alive but refuses more work from this client now: misses for that call.
-_BUSY_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
-# The server rejects this client's credentials: a configuration error that retrying does
-# not fix, so the server is left alone for at least _REFUSED_BACKOFF_S between probes.
-_REFUSED_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
-_REFUSED_BACKOFF_S = 30.0
 # Keepalive pings only while a call is active (idle pings would earn a GOAWAY from servers
 # with default ping policies); they catch a peer that vanished without a reset.
 _KEEPALIVE_OPTIONS: list[tuple[str, int | str]] = [
@@ -108,85 +91,11 @@ _KEEPALIVE_OPTIONS: list[tuple[str, int | str]] = [
 ]
 # Bytes of a PutFrame besides its data (tags, key, varints), with room to spare.
 _FRAME_HEAD = 4096
-# Pool size classes: blocks within 1 MiB of each other share buffers.
-_POOL_GRAIN = 1024 * 1024
 # gRPC's reconnect back-off grows to 120 s by default: a server back after a long outage
 # would stay unused for minutes. Capped here near the client's own down back-off.
 _RECONNECT_INITIAL_MS = 100
-
-
-class TransportError(Exception):
-    """A server's reply broke the wire contract (bad frame, wrong count, bad limits).
-
-    Raised inside the transport (and by fast-path sources) and handled like an RPC
-    failure: the server is marked down and its keys become misses.
-    """
-
-
-# -- wire codec of the block frames ----------------------------------------------------------
-def encode_put_frame(key: bytes, total_size: int, data: BytesLike) -> bytes:
-    """A PutFrame in protobuf wire format (byte-identical to ``SerializeToString``); the
-    data is copied once. ``key`` and ``total_size`` are set on a block's first frame only."""
-    head = bytearray()
-    if key:
-        head += b"\x0a" + encode_varint(len(key)) + key
-    if total_size:
-        head += b"\x10" + encode_varint(total_size)
-    n = _nbytes(data)
-    if n:
-        head += b"\x1a" + encode_varint(n)
-    return b"".join((head, data))
-
-
-def _read(raw: bytes, pos: int) -> tuple[int, int]:
-    try:
-        return read_varint(raw, pos, "GetFrame")
-    except WireError as e:
-        raise TransportError(str(e)) from e
-
-
-def decode_get_frame(raw: bytes) -> tuple[int, int, int, memoryview]:
-    """(index, tier, total_size, data) of a GetFrame in wire format; ``data`` views ``raw``.
-
-    Protobuf rules: the last occurrence of a field wins; unknown fields (the reserved
-    8-15, ``tier_names``) are skipped. Raises TransportError for malformed input.
-    """
-    view = memoryview(raw)
-    index = tier = total_size = 0
-    data = view[0:0]
-    pos, end = 0, len(raw)
-    while pos < end:
-        tag, pos = _read(raw, pos)
-        field, wire = tag >> 3, tag & 7
-        if field == 0:
-            raise TransportError("GetFrame: field number 0 is invalid")
-        if wire == 0:
-            value, pos = _read(raw, pos)
-            if field == 1:
-                index = value
-            elif field == 2:
-                tier = value
-            elif field == 3:
-                total_size = value
-            elif field in (4, 5):
-                raise TransportError(f"GetFrame field {field}: expected bytes, got a varint")
-        elif wire == 2:
-            length, pos = _read(raw, pos)
-            stop = pos + length
-            if stop > end:
-                raise TransportError(f"GetFrame field {field}: length runs past the message")
-            if field == 4:
-                data = view[pos:stop]
-            elif field in (1, 2, 3):
-                raise TransportError(f"GetFrame field {field}: expected a varint, got bytes")
-            pos = stop
-        elif wire in (1, 5) and field > 5:
-            pos += 8 if wire == 1 else 4
-        else:
-            raise TransportError(f"GetFrame field {field}: unsupported wire type {wire}")
-    if pos != end:
-        raise TransportError("GetFrame: the last field runs past the end of the message")
-    return index, tier, total_size, data
+# What a failed call may raise besides programming errors: all become misses.
+_FAILURES = (grpc.aio.AioRpcError, TransportError, WireError)
 
 
 # -- server description ----------------------------------------------------------------------
@@ -223,9 +132,9 @@ class ServerInfo:
         """The info of a Stats reply; TransportError if it breaks the contract."""
         server = reply.server
         limits = server.limits
-        if server.api_version != 1:
+        if server.api_version != API_VERSION:
             raise TransportError(
-                f"ServerInfo.api_version: {server.api_version}, this client speaks 1"
+                f"ServerInfo.api_version: {server.api_version}, this client speaks {API_VERSION}"
             )
         if limits.key_bytes != KEY_BYTES:
             raise TransportError(f"Limits.key_bytes: {limits.key_bytes}, expected {KEY_BYTES}")
@@ -245,8 +154,9 @@ class ServerInfo:
         )
 
 
-class PutStatus(enum.Enum):
-    """What became of one block sent with :meth:`ServerConnection.put`."""
+class StoreStatus(enum.Enum):
+    """What became of one block sent with :meth:`ServerConnection.put` (the client's layer;
+    the server's own outcome is ``pb.PutOutcome`` on the wire)."""
 
     STORED = "stored"
     ALREADY_PRESENT = "already_present"
@@ -255,75 +165,17 @@ class PutStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class PutResult:
+class StoreResult:
     """The outcome of one block of a put; ``reason`` says why for REJECTED and FAILED."""
 
     key: bytes
-    status: PutStatus
+    status: StoreStatus
     reason: str = ""
 
     @property
     def ok(self) -> bool:
         """Whether the block is on the server now."""
-        return self.status in (PutStatus.STORED, PutStatus.ALREADY_PRESENT)
-
-
-class _Buffer(bytearray):
-    """A reassembly buffer a :class:`BufferPool` handed out (the type marks it as poolable)."""
-
-
-class BufferPool:
-    """Reassembly buffers of multi-frame blocks, reused instead of freed.
-
-    Why: a buffer of tens of MiB comes from mmap and page-faults its way in on first write,
-    every time (measured here: 55 ms to allocate and fill 33 MiB, 6 ms to refill a reused
-    one). A consumer done with a block gives its view back (``give``) and the next block of
-    a similar size reuses the memory; a consumer that keeps the block simply does not.
-    Buffers are pooled by size rounded up to 1 MiB, up to ``max_bytes`` in all.
-
-    Thread-safe: ``take`` runs on the loop, ``give`` on whichever thread finished with the
-    block. The lock guards the free lists for a few instructions, never across an await.
-    """
-
-    def __init__(self, max_bytes: int = 512 * 1024**2) -> None:
-        """An empty pool that keeps at most ``max_bytes`` of free buffers."""
-        self.max_bytes = max_bytes
-        self._free: dict[int, list[_Buffer]] = {}
-        self._pooled = 0
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _size_class(size: int) -> int:
-        return -(-size // _POOL_GRAIN) * _POOL_GRAIN
-
-    def take(self, size: int) -> memoryview:
-        """A writable view of exactly ``size`` bytes (contents undefined)."""
-        cls = self._size_class(size)
-        with self._lock:
-            free = self._free.get(cls)
-            buf = free.pop() if free else None
-            if buf is not None:
-                self._pooled -= cls
-        if buf is None:
-            buf = _Buffer(cls)
-        return memoryview(buf)[:size]
-
-    def give(self, view: memoryview) -> None:
-        """Return the buffer behind ``view`` (from ``take``) once nothing reads it any more;
-        views of anything else are ignored."""
-        buf = view.obj
-        if type(buf) is not _Buffer:
-            return
-        cls = len(buf)
-        with self._lock:
-            if self._pooled + cls <= self.max_bytes:
-                self._free.setdefault(cls, []).append(buf)
-                self._pooled += cls
-
-    @property
-    def pooled_bytes(self) -> int:
-        """Bytes of free buffers held."""
-        return self._pooled
+        return self.status in (StoreStatus.STORED, StoreStatus.ALREADY_PRESENT)
 
 
 class BlockSource(Protocol):
@@ -338,18 +190,26 @@ class BlockSource(Protocol):
     ) -> AsyncIterator[tuple[int, memoryview | None]]: ...
 
 
+@runtime_checkable
+class BlockSink(Protocol):
+    """A data path that also stores: one Put stream's ``(key, blob)`` pairs, the server's
+    reply, or None when it cannot take them now (the connection uses gRPC). Raises
+    :class:`TransportError` on failure."""
+
+    async def put_blocks(
+        self, blobs: Sequence[tuple[bytes, BytesLike]], timeout: float
+    ) -> pb.PutReply | None: ...
+
+
 FastPathFactory = Callable[["ServerConnection", ServerInfo], BlockSource | None]
 """Given a connection and its server's info, a faster BlockSource or None (use gRPC)."""
 
 _PUT_OUTCOMES = {
-    pb.PUT_OUTCOME_STORED: PutStatus.STORED,
-    pb.PUT_OUTCOME_ALREADY_PRESENT: PutStatus.ALREADY_PRESENT,
-    pb.PUT_OUTCOME_REJECTED: PutStatus.REJECTED,
+    pb.PUT_OUTCOME_STORED: StoreStatus.STORED,
+    pb.PUT_OUTCOME_ALREADY_PRESENT: StoreStatus.ALREADY_PRESENT,
+    pb.PUT_OUTCOME_REJECTED: StoreStatus.REJECTED,
 }
-
-
-def _method(name: str) -> str:
-    return f"/{SERVICE}/{name}"
+_method = method_path
 
 
 def _batches(n: int, size: int) -> list[range]:
@@ -368,11 +228,14 @@ class ServerConnection:
         cost: CostModel | None = None,
         fast_path: FastPathFactory | None = None,
         pool: BufferPool | None = None,
+        data_path: Callable[[ServerConnection], BlockSource] | None = None,
     ) -> None:
         """A connection to ``address`` (``host:port``); nothing is opened until first use.
 
         ``pool`` supplies the reassembly buffers of multi-frame blocks (a private one if
         None); give a view back to it once done with a block to have its memory reused.
+        ``data_path`` makes the source of blocks that take no fast path (the bulk byte
+        stream, client/bulk.py); None: the gRPC stream.
         """
         self.address = address
         self.pool = BufferPool() if pool is None else pool
@@ -383,10 +246,8 @@ class ServerConnection:
         self._channel: grpc.aio.Channel | None = None
         self._info: ServerInfo | None = None
         self._source: BlockSource | None = None
-        self._down_until = 0.0
-        self._down = False
-        self._refused = False  # the server rejected our credentials and has not accepted since
-        self._busy = False  # a call was refused RESOURCE_EXHAUSTED and none succeeded since
+        self._data: BlockSource | None = data_path(self) if data_path is not None else None
+        self.health = ServerHealth(address, config.down_backoff_s, metrics)
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.token}"),) if config.token else ()
         )
@@ -427,75 +288,46 @@ class ServerConnection:
 
     def is_down(self) -> bool:
         """Whether the server failed (or refused our token) recently: its keys are misses."""
-        return time.monotonic() < self._down_until
+        return self.health.is_down()
 
     @property
     def down_until(self) -> float:
         """``time.monotonic()`` at which a down server is tried again (past when it is up)."""
-        return self._down_until
+        return self.health.down_until
 
     def _failed(self, method: str, error: BaseException) -> None:
-        """Log (once per outage), count, and mark the server down unless the request was bad
-        or the server only busy; a credentials refusal backs off longer (module docstring)."""
-        # A reply that breaks the wire contract counts as INTERNAL (the server misbehaved).
-        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-        code_name = code.name if code is not None else grpc.StatusCode.INTERNAL.name
-        if self._metrics is not None:
-            self._metrics.record_server_error(self.address, code_name)
-        detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
-        if code in _REQUEST_CODES:
-            log.error(
-                "nopecache %s %s refused the request (%s): %s",
-                self.address,
-                method,
-                code_name,
-                detail,
-            )
-            return
-        if code in _BUSY_CODES:
-            if not self._busy:
-                self._busy = True
-                log.warning(
-                    "nopecache server %s is busy in %s (%s: %s); this call's keys are misses",
-                    *(self.address, method, code_name, detail),
-                )
-            return
-        if code in _REFUSED_CODES:
-            backoff = max(self.config.down_backoff_s, _REFUSED_BACKOFF_S)
-            self._down_until = time.monotonic() + backoff
-            if not self._refused:
-                self._refused = True
-                log.error(
-                    "nopecache server %s refused this client's credentials in %s (%s: %s): "
-                    "check ClientConfig.token (?token=) against the server's auth tokens; "
-                    "its keys are misses, asked again every %.0fs",
-                    *(self.address, method, code_name, detail, backoff),
-                )
-            return
-        self._down_until = time.monotonic() + self.config.down_backoff_s
-        if not self._down:
-            self._down = True
-            log.warning(
-                "nopecache server %s failed in %s (%s: %s); its keys are misses for %.1fs",
-                self.address,
-                method,
-                code_name,
-                detail,
-                self.config.down_backoff_s,
-            )
+        self.health.failed(method, error)
 
     def _unreachable(self, keys: int) -> None:
-        if self._metrics is not None and keys:
-            self._metrics.record_unreachable(self.address, keys)
+        self.health.unreachable(keys)
 
     def _succeeded(self) -> None:
-        self._busy = False
-        if self._refused:
-            self._refused = False
-            log.info("nopecache server %s accepts this client's credentials now", self.address)
-        if self._down:
-            self._down = False
-            log.info("nopecache server %s is answering again", self.address)
+        self.health.succeeded()
+
+    @property
+    def data_blocks(self) -> BlockSource:
+        """The source of blocks that take no fast path: bulk stream if any, else gRPC."""
+        return self._data if self._data is not None else self.grpc_blocks
+
+    async def warm(self) -> bool:
+        """Open the channel, learn the server's info and prepare its block sources now (shm
+        session, bulk socket), so the first fetch does not pay for them; whether the
+        server answered."""
+        # A failed warm-up is a failed call like any other: counted, logged once, and the
+        # server backs off (a server refusing our token is not asked again per call).
+        info = await self.ensure_info()
+        if info is None:
+            return False
+        sources = [self._source, self._data] if self._data is not self._source else [self._data]
+        try:
+            for source in sources:
+                warm = getattr(source, "warm", None)
+                if warm is not None:
+                    await warm()
+        except _FAILURES as e:
+            self._failed("warm-up", e)
+            return False
+        return True
 
     async def ensure_info(self) -> ServerInfo | None:
         """The server's info, asking with Stats the first time; None while it is down (every
@@ -508,13 +340,13 @@ class ServerConnection:
         try:
             reply = await self._stats_call(timeout)
             info = ServerInfo.from_reply(self.address, reply)
-        except (grpc.aio.AioRpcError, TransportError) as e:
+        except _FAILURES as e:
             self._failed("Stats", e)
             return None
         if self._info is None:  # another coroutine may have asked meanwhile: keep one
             self._info = info
             source = self._fast_path(self, info) if self._fast_path is not None else None
-            self._source = source if source is not None else self.grpc_blocks
+            self._source = source if source is not None else self.data_blocks
         self._succeeded()
         return self._info
 
@@ -558,7 +390,7 @@ class ServerConnection:
                 if self._cost is not None:
                     self._cost.observe_rtt(self.address, time.perf_counter() - start)
                 out += reply.tiers
-        except (grpc.aio.AioRpcError, TransportError) as e:
+        except _FAILURES as e:
             self._failed("Lookup", e)
             self._unreachable(n)
             return bytes(n)
@@ -591,7 +423,7 @@ class ServerConnection:
                             index, blob = await anext(it)
                         except StopAsyncIteration:
                             break
-                        except (grpc.aio.AioRpcError, TransportError) as e:
+                        except _FAILURES as e:
                             self._failed("Get", e)
                             break
                         index += batch.start
@@ -629,60 +461,31 @@ class ServerConnection:
             request_serializer=pb.GetRequest.SerializeToString,
             response_deserializer=None,  # raw frames: decoded here (decode_get_frame)
         )(pb.GetRequest(keys=keys), timeout=timeout, metadata=self._metadata)
-        n = _count(keys)
-        expect = 0  # index of the next key whose first frame is due
-        buffer: memoryview | None = None
-        filled = 0
+        frames = GetFrameAssembler(_count(keys), self.pool.take)
         try:
             async for raw in call:
                 assert isinstance(raw, bytes)
-                index, tier, total, data = decode_get_frame(raw)
-                if buffer is not None:
-                    # A block is being reassembled: this must be its next frame.
-                    end = filled + data.nbytes
-                    if index != expect or tier or total or end > buffer.nbytes or not data.nbytes:
-                        raise TransportError(
-                            f"GetFrame: expected more of block {expect}, got index {index}"
-                        )
-                    buffer[filled:end] = data
-                    filled = end
-                    if filled == buffer.nbytes:
-                        block, buffer = buffer, None
-                        expect += 1
-                        yield expect - 1, block
+                entry = frames.feed(raw)
+                if entry is None:
                     continue
-                if index != expect or index >= n:
-                    raise TransportError(f"GetFrame.index: got {index}, expected {expect}")
-                if not tier:
-                    if data.nbytes or total:
-                        raise TransportError(f"GetFrame: miss of key {index} carries data")
-                    expect += 1
-                    yield index, None
-                    continue
-                if total <= 0 or data.nbytes > total:
+                if entry.shm_length:
                     raise TransportError(
-                        f"GetFrame.total_size: {total} for a first frame of {data.nbytes} bytes"
+                        f"GetFrame.shm_length: block {entry.index} announced in shared memory "
+                        "on a call that named no window"
                     )
-                if data.nbytes == total:
-                    expect += 1
-                    yield index, data
-                    continue
-                buffer = self.pool.take(total)
-                buffer[: data.nbytes] = data
-                filled = data.nbytes
-            if expect != n:
-                raise TransportError(f"Get stream ended after {expect} of {n} keys")
+                yield entry.index, entry.blob
+            frames.finish()
         finally:
             call.cancel()
 
-    async def put(self, blobs: Sequence[tuple[bytes, BytesLike]]) -> list[PutResult]:
+    async def put(self, blobs: Sequence[tuple[bytes, BytesLike]]) -> list[StoreResult]:
         """Store ``(key, blob)`` pairs; one result per pair, in order. Never raises for the
         server: a failure reports every block not acknowledged as FAILED."""
-        results: list[PutResult | None] = [None] * len(blobs)
+        results: list[StoreResult | None] = [None] * len(blobs)
         info = await self.ensure_info() if blobs else None
         if info is None:
             self._unreachable(len(blobs))
-            return [PutResult(key, PutStatus.FAILED, "server down") for key, _ in blobs]
+            return [StoreResult(key, StoreStatus.FAILED, "server down") for key, _ in blobs]
         limits = info.limits
         # The client's own send limit also bounds a frame (minus room for the frame's head).
         frame = min(limits.max_frame_data_bytes, self.config.max_message_bytes - _FRAME_HEAD)
@@ -692,9 +495,9 @@ class ServerConnection:
         for i, (key, blob) in enumerate(blobs):
             size = _nbytes(blob)
             if size > limits.max_block_bytes:
-                results[i] = PutResult(
+                results[i] = StoreResult(
                     key,
-                    PutStatus.REJECTED,
+                    StoreStatus.REJECTED,
                     f"{size} bytes is over the server's max_block_bytes {limits.max_block_bytes}",
                 )
                 continue
@@ -713,30 +516,35 @@ class ServerConnection:
             request_serializer=None,  # frames are encoded here (encode_put_frame)
             response_deserializer=pb.PutReply.FromString,
         )
+        sink = self._data if isinstance(self._data, BlockSink) else None
         failed: BaseException | None = None
         for stream in streams:
             if failed is None:
                 try:
-                    reply = await call(
-                        _frames([blobs[i] for i in stream], frame),
-                        timeout=self.config.put_timeout_s,
-                        metadata=self._metadata,
-                    )
+                    part = [blobs[i] for i in stream]
+                    timeout = self.config.put_timeout_s
+                    reply = None if sink is None else await sink.put_blocks(part, timeout)
+                    if reply is None:
+                        reply = await call(
+                            _frames(part, frame), timeout=timeout, metadata=self._metadata
+                        )
                     if len(reply.results) != len(stream):
                         raise TransportError(
                             f"PutReply.results: {len(reply.results)} for {len(stream)} blocks"
                         )
-                except (grpc.aio.AioRpcError, TransportError) as e:
+                except _FAILURES as e:
                     self._failed("Put", e)
                     failed = e
                 else:
                     for i, r in zip(stream, reply.results, strict=True):
-                        status = _PUT_OUTCOMES.get(r.outcome, PutStatus.REJECTED)
-                        results[i] = PutResult(blobs[i][0], status, r.reason)
+                        status = _PUT_OUTCOMES.get(r.outcome, StoreStatus.REJECTED)
+                        results[i] = StoreResult(blobs[i][0], status, r.reason)
                     continue
             self._unreachable(len(stream))
             for i in stream:
-                results[i] = PutResult(blobs[i][0], PutStatus.FAILED, f"server failed: {failed}")
+                results[i] = StoreResult(
+                    blobs[i][0], StoreStatus.FAILED, f"server failed: {failed}"
+                )
         if failed is None:
             self._succeeded()
         return [r for r in results if r is not None]
@@ -780,7 +588,10 @@ class ServerConnection:
         return reply
 
     async def close(self) -> None:
-        """Close the channel (in-flight calls are cancelled)."""
+        """Close the channel (in-flight calls are cancelled) and the data source's sockets."""
+        close = getattr(self._data, "close", None)
+        if close is not None:
+            close()
         if self._channel is not None:
             await self._channel.close(None)
             self._channel = None

@@ -34,7 +34,6 @@ from nopecache.client.adapters.hf import CacheClientSource, HFEngine, ReusedKV
 from nopecache.client.adapters.hf_forward import PrefillOutput
 from nopecache.client.adapters.local_model import load_model, load_tokenizer
 from nopecache.client.chunking import ContentChunker
-from nopecache.client.config import CostConfig
 from nopecache.proto.block import StoredForm
 
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -91,12 +90,9 @@ def engine_prompt(tokenizer: PreTrainedTokenizerBase, job: EngineJob) -> ChatPro
 
 
 def _client(engine: HFEngine, server: str) -> CacheClient:
-    config = ClientConfig(
-        servers=(server,),
-        namespace=NAMESPACE,
-        # The demo compares fixed prompts: a plan must not depend on measured timings.
-        cost=CostConfig(enabled=False),
-    )
+    # The cost model is on, as in production: the first lookup of a server keeps every
+    # hit (nothing measured yet), and the adapter reports each prefill to it.
+    config = ClientConfig(servers=(server,), namespace=NAMESPACE)
     return CacheClient(
         config,
         fingerprint=engine.fingerprint(StoredForm.NOPE),
@@ -173,9 +169,9 @@ def run_engine_2(
     prompt = engine_prompt(tokenizer, job)
     _say(job, f"prompt: {_sizes(prompt)}")
     policy = rc.DEFAULT_POLICY
+    source = CacheClientSource(client, engine)  # reports every prefill to the cost model
     _say(job, "warm-up: one prefill without cache (first calls allocate and are slower)")
     nocache = engine.prefill(prompt.tokens)
-    source = CacheClientSource(client)
     start = time.perf_counter()
     reused = source.reuse(prompt.tokens, prompt.segments)
     fetch_s = time.perf_counter() - start

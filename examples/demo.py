@@ -131,6 +131,11 @@ def print_summary(first: EngineReport, second: EngineReport) -> bool:
         f"  prefill without the cache:     {second.prefill_nocache_s * 1e3:7.0f} ms  "
         f"(saved {saved:.0%}; {saved_with_fetch:.0%} counting the fetch)"
     )
+    saved_s = second.prefill_nocache_s - second.prefill_cached_s
+    print(
+        f"  prefill time the cache saved:  {saved_s * 1e3:7.0f} ms  beside lookup + fetch "
+        f"{second.fetch_s * 1e3:.0f} ms: net {(saved_s - second.fetch_s) * 1e3:+.0f} ms"
+    )
     print("  answer with the cache:")
     print(_wrap(second.answer))
     print("  answer without the cache:")
@@ -178,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"recompute_fraction={second.recompute_fraction:.3f} "
         f"prefill_cached_ms={second.prefill_cached_s * 1e3:.0f} "
         f"prefill_nocache_ms={second.prefill_nocache_s * 1e3:.0f} "
+        f"lookup_fetch_ms={second.fetch_s * 1e3:.0f} "
+        f"net_saved_ms={(second.prefill_nocache_s - second.prefill_cached_s - second.fetch_s) * 1e3:.0f} "
         f"same_answer={'yes' if same else 'no'} "
         f"server_pid={server_pid} engine_pids={first.pid},{second.pid}"
     )

@@ -42,8 +42,17 @@ freed when the last one unmaps. A Get naming the session and a window of the seg
 receives each hit that fits the window copied into it (64-byte aligned, in key order),
 announced by a frame with shm_offset/shm_length instead of data.
 
-PutFrame and GetFrame carry the block bytes and are encoded/decoded by hand on the server
-(cache_server/service.py: the protobuf runtime is too slow for MiB-sized bytes fields).
+Bulk byte stream (plaintext servers). A Python gRPC stream moves MiB-sized frames at a
+fraction of what a plain socket moves, so a client may ask OpenBulk for a TCP port and a
+one-use ticket, connect, and send Gets and Puts as raw bytes (layout in proto/bulk.py):
+Get blocks come back as a length-prefixed byte stream received straight into the
+client's buffers; Put blocks go out the same way and the answer is a PutReply. The same
+checks apply (key count, tier codes, block sizes; a Put's limits, verification, quota
+and in-flight budget), and the ticket carries the caller's tenant. Over TLS the server
+refuses: gRPC stays the path.
+
+PutFrame and GetFrame carry the block bytes and are encoded/decoded by hand on both sides
+(proto/frames.py: the protobuf runtime is too slow for MiB-sized bytes fields).
 A field added to either needs the codec updated; tests compare it with the generated code.
 """
 
@@ -455,6 +464,52 @@ class DetachShmReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DetachShmReply: _TypeAlias = DetachShmReply  # noqa: Y015
+
+@_typing.final
+class OpenBulkRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenBulkRequest: _TypeAlias = OpenBulkRequest  # noqa: Y015
+
+@_typing.final
+class OpenBulkReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    TICKET_TTL_MS_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    """The TCP port of the bulk listener, on the host the client reached the server at."""
+    ticket: _builtins.bytes
+    """16 random bytes the connection presents first; valid once, for `ticket_ttl_ms`."""
+    ticket_ttl_ms: _builtins.int
+    refused: _builtins.str
+    """Why there is no bulk stream (empty when there is)."""
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+        ticket: _builtins.bytes = ...,
+        ticket_ttl_ms: _builtins.int = ...,
+        refused: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["port", b"port", "refused", b"refused", "ticket", b"ticket", "ticket_ttl_ms", b"ticket_ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenBulkReply: _TypeAlias = OpenBulkReply  # noqa: Y015
 
 @_typing.final
 class Limits(_message.Message):

@@ -70,6 +70,11 @@ class KVCacheStub:
                 request_serializer=nopecache_dot_proto_dot_cache__pb2.DetachShmRequest.SerializeToString,
                 response_deserializer=nopecache_dot_proto_dot_cache__pb2.DetachShmReply.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/nopecache.v1.KVCache/OpenBulk',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -127,6 +132,14 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulk(self, request, context):
+        """A ticket for one bulk byte-stream connection (see above). A server that offers none
+        (TLS, switched off) answers with `refused` set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +177,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.DetachShm,
                     request_deserializer=nopecache_dot_proto_dot_cache__pb2.DetachShmRequest.FromString,
                     response_serializer=nopecache_dot_proto_dot_cache__pb2.DetachShmReply.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +374,33 @@ class KVCache:
             '/nopecache.v1.KVCache/DetachShm',
             nopecache_dot_proto_dot_cache__pb2.DetachShmRequest.SerializeToString,
             nopecache_dot_proto_dot_cache__pb2.DetachShmReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.KVCache/OpenBulk',
+            nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,8 +42,17 @@ freed when the last one unmaps. A Get naming the session and a window of the seg
 receives each hit that fits the window copied into it (64-byte aligned, in key order),
 announced by a frame with shm_offset/shm_length instead of data.
 
-PutFrame and GetFrame carry the block bytes and are encoded/decoded by hand on the server
-(cache_server/service.py: the protobuf runtime is too slow for MiB-sized bytes fields).
+Bulk byte stream (plaintext servers). A Python gRPC stream moves MiB-sized frames at a
+fraction of what a plain socket moves, so a client may ask OpenBulk for a TCP port and a
+one-use ticket, connect, and send Gets and Puts as raw bytes (layout in proto/bulk.py):
+Get blocks come back as a length-prefixed byte stream received straight into the
+client's buffers; Put blocks go out the same way and the answer is a PutReply. The same
+checks apply (key count, tier codes, block sizes; a Put's limits, verification, quota
+and in-flight budget), and the ticket carries the caller's tenant. Over TLS the server
+refuses: gRPC stays the path.
+
+PutFrame and GetFrame carry the block bytes and are encoded/decoded by hand on both sides
+(proto/frames.py: the protobuf runtime is too slow for MiB-sized bytes fields).
 A field added to either needs the codec updated; tests compare it with the generated code.
 """
 
@@ -95,6 +104,10 @@ class KVCacheStub:
     """
     DetachShm: _grpc.UnaryUnaryMultiCallable[_cache_pb2.DetachShmRequest, _cache_pb2.DetachShmReply]
     """Ends a session made by AttachShm: the server unmaps the segment."""
+    OpenBulk: _grpc.UnaryUnaryMultiCallable[_cache_pb2.OpenBulkRequest, _cache_pb2.OpenBulkReply]
+    """A ticket for one bulk byte-stream connection (see above). A server that offers none
+    (TLS, switched off) answers with `refused` set.
+    """
 
 @_typing.type_check_only
 class KVCacheAsyncStub(KVCacheStub):
@@ -119,6 +132,10 @@ class KVCacheAsyncStub(KVCacheStub):
     """
     DetachShm: _aio.UnaryUnaryMultiCallable[_cache_pb2.DetachShmRequest, _cache_pb2.DetachShmReply]  # type: ignore[assignment]
     """Ends a session made by AttachShm: the server unmaps the segment."""
+    OpenBulk: _aio.UnaryUnaryMultiCallable[_cache_pb2.OpenBulkRequest, _cache_pb2.OpenBulkReply]  # type: ignore[assignment]
+    """A ticket for one bulk byte-stream connection (see above). A server that offers none
+    (TLS, switched off) answers with `refused` set.
+    """
 
 class KVCacheServicer(metaclass=_abc_1.ABCMeta):
     """The KV-block cache."""
@@ -182,5 +199,15 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cache_pb2.DetachShmReply, _abc.Awaitable[_cache_pb2.DetachShmReply]]:
         """Ends a session made by AttachShm: the server unmaps the segment."""
+
+    @_abc_1.abstractmethod
+    def OpenBulk(
+        self,
+        request: _cache_pb2.OpenBulkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.OpenBulkReply, _abc.Awaitable[_cache_pb2.OpenBulkReply]]:
+        """A ticket for one bulk byte-stream connection (see above). A server that offers none
+        (TLS, switched off) answers with `refused` set.
+        """
 
 def add_KVCacheServicer_to_server(servicer: KVCacheServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

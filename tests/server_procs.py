@@ -32,10 +32,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis_procs import free_ports
 
 from nopecache.proto import cache_pb2, cache_pb2_grpc
+from nopecache.proto.contract import SERVICE_NAME
 
 __all__ = ["CacheServerProc", "ServerFactory", "start_cache_servers", "wait_stored"]
 
-SERVICE_NAME = "nopecache.v1.KVCache"
 DEFAULT_TIER = "cpu://?capacity=64MiB&pinned=no"
 _START_TIMEOUT_S = 30.0
 

@@ -25,7 +25,9 @@ from nopecache.client import (
     PagedKV,
     RetryPolicy,
     content_chunks,
+    storing,
 )
+from nopecache.client.bulk import BulkSource
 from nopecache.client.cost import CostConfig
 from nopecache.client.sharding import Rendezvous
 from nopecache.client.transport import BlockSource, FastPathFactory, ServerConnection, ServerInfo
@@ -142,6 +144,32 @@ def test_exact_prefix_of_nope_k_is_rotated_once_to_its_positions(
     assert torch.equal(result.k, rotated(k, None, 0))
     assert torch.equal(result.v, v)
     assert bool(result.mask.all())
+
+
+def test_a_store_of_several_batches_stores_every_block_once(
+    servers: list[CacheServerProc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = prompt(100, seed=3)
+    k, v = kv(100, seed=3)
+    # One block a batch: six Puts, each with the next batch encoding beside it (storing.py).
+    monkeypatch.setattr(storing, "_STORE_BATCH_BYTES", 1)
+    encoded: list[int] = []
+    encode = storing.StorePipeline._encode
+
+    def counting(self: storing.StorePipeline, chunks: list[object], *args: object) -> object:
+        encoded.append(len(chunks))
+        return encode(self, chunks, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storing.StorePipeline, "_encode", counting)
+    with client(config(servers[:1], "batches")) as c:
+        report = c.store(tokens, (k, v), form="nope", position_independent=False)
+        plan = c.lookup(tokens)
+        result = c.fetch(plan, tokens)
+    assert report.stored == len(encoded) == 6 and encoded == [1] * 6 and report.failed == 0
+    assert plan.prefix_end == 96 and result.failed == ()
+    assert result.k is not None and result.v is not None
+    assert torch.equal(result.k[:, :96], rotated(k, None, 0)[:, :96])
+    assert torch.equal(result.v[:, :96], v[:, :96])
 
 
 # -- position independent ----------------------------------------------------------------------
@@ -417,7 +445,11 @@ def test_cost_model_drops_hits_slower_to_fetch_than_to_recompute(
     k, v = kv(64, seed=17)
     # Measured after one fetch; an engine "prefilling" 1e12 tokens/s makes every fetch lose.
     cost = CostConfig(min_samples=1, prefill_tokens_per_s=1e12)
-    with client(config(servers, "cost", cost=cost)) as c:
+    # One server: the first fetch (the exact prefix) then measures every owner of the
+    # second plan's hits. With two, which server owns which block follows the ports the
+    # servers got, and when all prefix blocks landed on one of them the other stayed
+    # unmeasured and its position-independent hits were kept ("unmeasured").
+    with client(config(servers[:1], "cost", cost=cost)) as c:
         c.store(tokens, (k, v))
         first = c.lookup(tokens)
         assert first.dropped == () and first.reused_tokens == 64  # servers not measured yet
@@ -427,6 +459,38 @@ def test_cost_model_drops_hits_slower_to_fetch_than_to_recompute(
     assert second.reused_tokens == 0 and second.prefix == () and second.hits == ()
     assert len(second.dropped) >= 1
     assert stats.dropped_hits == len(second.dropped)
+
+
+def test_a_server_slow_then_fast_gets_its_hits_back(servers: list[CacheServerProc]) -> None:
+    tokens = prompt(64, seed=21)
+    k, v = kv(64, seed=21)
+    # Recomputing a 16-token block costs 160 ms; a loopback fetch of its 4 KiB takes
+    # milliseconds. But the model starts out believing the server moves 100 bytes/s.
+    window, share = 4, 0.25
+    cost = CostConfig(min_samples=2, window=window, probe_share=share, prefill_tokens_per_s=100.0)
+    with client(config(servers[:1], "cost-relearn", cost=cost)) as c:
+        c.store(tokens, (k, v), position_independent=False)
+        server = servers[0].address
+        for _ in range(window):
+            c.core.cost.observe_fetch(server, 1000, 10.0)
+        lookups = 0
+        while True:
+            lookups += 1
+            plan = c.lookup(tokens, allow_position_independent=False)
+            if not plan.dropped:
+                break
+            assert lookups < window / share, "the server never got its hits back"
+            c.fetch(plan, tokens)  # the probe's fetch is the model's new sample
+        stats = c.stats()
+    assert plan.prefix_end == 64
+    # Each probe is the 4th drop; the 4 probes' samples replaced the 4 slow ones.
+    assert lookups == 14
+    assert stats.cost is not None
+    seen = stats.cost.servers[server]
+    assert seen.probes == window and seen.samples == window
+    assert seen.last_decision is not None and seen.last_decision.reason == "cheaper_to_fetch"
+    assert seen.bandwidth_bytes_per_s is not None and seen.bandwidth_bytes_per_s > 1e5
+    assert (stats.cost.prefill_source, stats.cost.prefill_tokens_per_s) == ("config", 100.0)
 
 
 async def _async_round_trip(cfg: ClientConfig) -> None:
@@ -541,3 +605,33 @@ def test_bad_arguments_raise_typed_errors_naming_them() -> None:
         )
         with pytest.raises(FingerprintMismatchError, match="into: caches of"):
             c.fetch(plan, tokens, into=wrong)
+
+
+def test_construction_warms_channels_buffers_and_the_bulk_socket(
+    servers: list[CacheServerProc],
+) -> None:
+    with client(config(servers[:1], "warm", shm="off")) as c:
+        conn = c.core.connection(servers[0].address)
+        source = conn.data_blocks
+        info = conn.info
+        pooled = c.core._pool.pooled_bytes
+        idle = len(source._idle) if isinstance(source, BulkSource) else -1
+        stats = c.stats()
+    assert info is not None  # Stats answered before the first call
+    assert idle == 1  # one bulk socket connected ahead of the first Get
+    # Two touched receive buffers of one prefix block (16 tokens, rounded to 1 MiB).
+    assert pooled == 2 * 1024 * 1024
+    assert stats.server_errors == {} and stats.fetches == 0
+
+
+def test_a_warm_up_against_a_dead_server_is_its_first_failure(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    (dead,) = start_cache_servers(1, tmp_path_factory.mktemp("dead"))
+    dead.kill()
+    tokens = prompt(20, seed=33)
+    with client(config([dead], "warm-dead", down_backoff_s=30.0)) as c:
+        conn = c.core.connection(dead.address)
+        assert conn.is_down()  # backed off, as after any failed call
+        assert c.lookup(tokens).reused_tokens == 0  # a miss at once, no second attempt
+        assert c.stats().server_errors == {dead.address: 1}

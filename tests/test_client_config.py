@@ -14,7 +14,6 @@ import pytest
 import torch
 from server_procs import CacheServerProc
 
-from nopecache.cache_server.config import DEFAULT_PORT as SERVER_DEFAULT_PORT
 from nopecache.cache_server.config import ServerConfig
 from nopecache.client import CacheClient, ModelFingerprint
 from nopecache.client.cache_client import DEFAULT_CHUNKER
@@ -38,6 +37,7 @@ from nopecache.client.errors import InvalidArgumentError
 from nopecache.kernels import RopeSpec
 from nopecache.proto import cache_pb2
 from nopecache.proto.block import StoredForm
+from nopecache.proto.sizes import parse_size
 
 # -- defaults and agreement with the server ---------------------------------------------
 
@@ -72,9 +72,8 @@ def test_defaults() -> None:
     assert cfg.use_tls is False
 
 
-def test_agrees_with_server_defaults() -> None:
+def test_client_receives_whatever_a_default_server_sends() -> None:
     server = ServerConfig()
-    assert DEFAULT_PORT == SERVER_DEFAULT_PORT
     # The client must receive any frame a default server sends.
     assert ClientConfig(("h:1",)).max_message_bytes >= server.max_message_bytes
     assert ClientConfig(("h:1",)).max_message_bytes >= server.max_block_bytes
@@ -239,6 +238,28 @@ def test_from_url_value_spellings() -> None:
     assert ClientConfig.from_url("nopecache://h?max_message_bytes=1MB").max_message_bytes == 10**6
 
 
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("64Mi", 64 * 1024**2), ("1.5GiB", 3 * 1024**3 // 2), ("1TB", 10**12), ("2gb", 2 * 10**9)],
+)
+def test_sizes_read_as_the_server_reads_them(text: str, size: int) -> None:
+    # One parser (proto/sizes.py) for client URLs and server options alike.
+    assert parse_size(text, field="x") == size
+    if size < 1 << 31:
+        url = f"nopecache://h?max_message_bytes={text}"
+        assert ClientConfig.from_url(url).max_message_bytes == size
+    else:  # over gRPC's message limit: refused by range, not by the parser
+        with pytest.raises(InvalidArgumentError, match="max_message_bytes"):
+            ClientConfig.from_url(f"nopecache://h?max_message_bytes={text}")
+
+
+def test_a_size_that_is_not_one_names_the_parameter() -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        ClientConfig.from_url("nopecache://h?max_message_bytes=1.3B")
+    assert err.value.argument == "max_message_bytes"
+    assert "not a whole number of bytes" in err.value.reason
+
+
 def _everything_changed() -> ClientConfig:
     return ClientConfig(
         servers=("a:1", "[::1]:2", "b.c:3"),
@@ -257,6 +278,7 @@ def _everything_changed() -> ClientConfig:
             throttle_token_ratio=0.5,
         ),
         shm="on",
+        bulk="off",
         max_message_bytes=16 * 1024**2,
         store_queue_blocks=8,
         down_backoff_s=0.0,
@@ -267,6 +289,9 @@ def _everything_changed() -> ClientConfig:
             safety_factor=2.0,
             min_samples=7,
             ewma_alpha=0.5,
+            window=9,
+            max_age_s=30.0,
+            probe_share=0.25,
         ),
         namespace="tenant/α&b=c",
         discover="dns",
@@ -320,6 +345,7 @@ BAD_VALUES = {
     "control_timeout": "",
     "connect_timeout": "1h",
     "shm": "sometimes",
+    "bulk": "always",
     "max_message_bytes": "1KiB",
     "store_queue_blocks": "many",
     "down_backoff": "-5ms",
@@ -350,6 +376,9 @@ BAD_VALUES = {
     "cost_safety_factor": "0",
     "cost_min_samples": "0",
     "cost_ewma_alpha": "1.5",
+    "cost_window": "0",
+    "cost_max_age": "-1s",
+    "cost_probe_share": "2",
 }
 
 
@@ -521,6 +550,7 @@ def test_service_config_json() -> None:
         "Delete": 2.0,
         "AttachShm": 2.0,
         "DetachShm": 2.0,
+        "OpenBulk": 2.0,
         "Stats": 2.0,
     }
     assert cfg.service_config_json() == RetryPolicy().service_config_json()

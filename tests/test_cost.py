@@ -219,6 +219,11 @@ def test_hit_filter_in_plan_reuse() -> None:
         ({"min_samples": 2.0}, "cost.min_samples"),
         ({"ewma_alpha": 0.0}, "cost.ewma_alpha"),
         ({"ewma_alpha": 1.01}, "cost.ewma_alpha"),
+        ({"window": 0}, "cost.window"),
+        ({"window": 2, "min_samples": 3}, "cost.window"),
+        ({"max_age_s": 0.0}, "cost.max_age_s"),
+        ({"probe_share": 0.0}, "cost.probe_share"),
+        ({"probe_share": 1.5}, "cost.probe_share"),
     ],
 )
 def test_bad_cost_config_is_named(changes: dict[str, object], argument: str) -> None:
@@ -245,3 +250,76 @@ def test_bad_observations_are_named() -> None:
         with pytest.raises(InvalidArgumentError) as err:
             call()
         assert err.value.argument == argument
+
+
+class Clock:
+    """A settable monotonic clock."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_cold_first_sample_weighs_as_one_of_the_window() -> None:
+    model = CostModel(CostConfig(min_samples=2, window=4))
+    model.observe_fetch(FAST, MB, 0.1)  # cold: 100x slower than the rest
+    model.observe_fetch(FAST, MB, 0.001)
+    # A plain ratio of sums: 2 MB in 101 ms (an EWMA from the first sample: ~81 ms per MB).
+    assert model.bandwidth_bytes_per_s(FAST) == pytest.approx(2 * MB / 0.101, rel=EXACT)
+    for _ in range(4):
+        model.observe_fetch(FAST, MB, 0.001)
+    assert model.bandwidth_bytes_per_s(FAST) == pytest.approx(1e9, rel=EXACT)  # aged out
+
+
+def test_samples_expire_so_a_dropped_server_is_measured_again() -> None:
+    clock = Clock()
+    model = CostModel(
+        CostConfig(min_samples=1, max_age_s=60.0, prefill_tokens_per_s=1000.0), clock=clock
+    )
+    model.observe_fetch(SLOW, MB, 10.0)
+    assert model.keep(_hit(10), MB, SLOW) is False
+    clock.now += 60.0
+    assert model.keep(_hit(10), MB, SLOW) is False  # 60 s old: still live
+    clock.now += 0.5
+    decision = model.decide(_hit(10), MB, SLOW)
+    assert (decision.keep, decision.reason) == (True, "unmeasured")
+    assert model.snapshot().servers[SLOW].samples == 0
+
+
+def test_every_nth_drop_is_a_probe_and_shows_in_the_snapshot() -> None:
+    model = _measured(probe_share=0.25)
+    keep = model.hit_filter(MB, lambda key: SLOW)  # 1 MB per token: far too slow to fetch
+    reasons = [keep(_hit(1)) for _ in range(8)]
+    assert reasons == [False, False, False, True] * 2
+    assert [d.reason for d in keep.decisions.values()] == ["probe"]  # one key, last decision
+    snap = model.snapshot()
+    assert (snap.enabled, snap.prefill_tokens_per_s, snap.prefill_source) == (
+        True,
+        1000.0,
+        "config",
+    )
+    slow = snap.servers[SLOW]
+    assert (slow.probes, slow.samples, slow.rtt_s) == (2, 1, 0.001)
+    assert slow.bandwidth_bytes_per_s == pytest.approx(1e6, rel=EXACT)
+    assert slow.last_decision is not None and slow.last_decision.reason == "probe"
+    # A query never probes: decide() alone keeps saying no.
+    assert [model.decide(_hit(1), MB, SLOW).keep for _ in range(8)] == [False] * 8
+
+
+def test_a_slow_server_turned_fast_is_kept_again_within_the_bound() -> None:
+    config = CostConfig(min_samples=2, window=4, probe_share=0.25, prefill_tokens_per_s=1000.0)
+    model = CostModel(config)
+    for _ in range(4):
+        model.observe_fetch(SLOW, MB, 10.0)
+    dropped = 0
+    while True:
+        keep = model.hit_filter(MB // 10, lambda key: SLOW)
+        if keep(_hit(10)) and keep.decisions[_key(10)].reason == "cheaper_to_fetch":
+            break
+        dropped += 1
+        if keep.decisions[_key(10)].reason == "probe":
+            model.observe_fetch(SLOW, MB, 0.001)  # the probe's fetch: the server is fast now
+        assert dropped <= config.window / config.probe_share
+    assert dropped == 16  # 4 probes, each after 3 drops

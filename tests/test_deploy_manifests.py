@@ -42,9 +42,10 @@ from redis_procs import RedisProc, free_ports
 from server_procs import CacheServerProc
 
 from nopecache.cache_server.config import ENV_PREFIX, ServerConfig, env_name, load_config
-from nopecache.cache_server.service import SERVICE_NAME, server_version
+from nopecache.cache_server.service import server_version
 from nopecache.cache_server.sizes import parse_size
 from nopecache.cache_server.tiers import Tier, tier_from_url
+from nopecache.proto.contract import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"

@@ -26,7 +26,7 @@ import yaml
 from server_procs import CacheServerProc
 
 from nopecache.cache_server.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServerConfig, env_name
-from nopecache.cache_server.service import SERVICE_NAME
+from nopecache.proto.contract import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"

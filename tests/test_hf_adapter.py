@@ -337,6 +337,37 @@ def test_cache_client_source_round_trips_through_a_server(
     assert torch.equal(every.logits, _no_cache_logits(engine.model, prompt))
 
 
+def test_the_source_reports_every_prefill_to_the_cost_model(
+    engine: HFEngine, cache_server: CacheServerProc
+) -> None:
+    config = ClientConfig(
+        servers=(cache_server.address,), namespace="hf-prefill-rate", cost=CostConfig(min_samples=2)
+    )
+    seen: list[tuple[int, float]] = []
+    with CacheClient(
+        config,
+        fingerprint=engine.fingerprint(StoredForm.NOPE),
+        rope=engine.rope,
+        v_head_dim=engine.stack.head_dim,
+    ) as client:
+        before = client.stats().cost
+        CacheClientSource(client, engine)
+        CacheClientSource(client, engine)  # a second source does not report twice
+        engine.prefill_observers.append(lambda tokens, seconds: seen.append((tokens, seconds)))
+        try:
+            engine.prefill(SEG_A)
+            engine.prefill(SEG_A + SEG_B)
+            after = client.stats().cost
+        finally:
+            del engine.prefill_observers[:]
+    assert before is not None and after is not None
+    assert (before.prefill_source, before.prefill_samples) == ("default", 0)
+    assert [tokens for tokens, _ in seen] == [len(SEG_A), len(SEG_A) + len(SEG_B)]
+    assert (after.prefill_source, after.prefill_samples) == ("engine", 2)
+    rate = (2 * len(SEG_A) + len(SEG_B)) / sum(seconds for _, seconds in seen)
+    assert after.prefill_tokens_per_s == pytest.approx(rate, rel=1e-12)
+
+
 def test_touching_hits_are_one_chunk_unless_a_segment_starts_between() -> None:
     def hit(start: int, end: int, key: int) -> Hit:
         span = ChunkSpan(start, end)

@@ -102,8 +102,12 @@ def _command(client: CacheClient, command: str, doc: int) -> tuple[Any, ...]:
         report = client.store(tokens, (k, v), prefix=False)
         return report.stored, report.already_present, report.failed, keys
     if command == "lookup":
+        # The servers the lookup is sharded over, read before it: a lookup that finds a
+        # server dead wakes the background re-resolution, which may have applied the new
+        # list by the time the lookup returns (or not): reading after it raced.
+        servers = client.servers
         plan = client.lookup(tokens)
-        return {h.key.value for h in plan.hits}, client.servers
+        return {h.key.value for h in plan.hits}, servers
     if command == "fetch":
         plan = client.lookup(tokens)
         result = client.fetch(plan, tokens)

@@ -1,4 +1,4 @@
-"""The server's hand-written PutFrame/GetFrame codec agrees with the generated protobuf
+"""The wire contract's hand-written PutFrame/GetFrame codec (proto/frames.py) agrees with the generated protobuf
 classes byte for byte, and malformed frames are refused with the field named."""
 
 from __future__ import annotations
@@ -11,13 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_server import SMALL, digest, key_of, make_block, serving
 
-from nopecache.cache_server.service import (
-    WireError,
-    decode_put_frame,
-    encode_get_frame,
-    encode_varint,
-)
 from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.frames import WireError, decode_put_frame, encode_get_frame
+from nopecache.proto.wire import encode_varint
 
 U32 = st.integers(min_value=0, max_value=2**32 - 1)
 U64 = st.integers(min_value=0, max_value=2**64 - 1)

@@ -23,8 +23,6 @@ import pytest
 import torch
 from server_procs import CacheServerProc, start_cache_servers
 
-from nopecache.cache_server import service as server_service
-from nopecache.cache_server import shm as server_shm
 from nopecache.cache_server.shm import ShmLimits, ShmRequestError, ShmSessions
 from nopecache.client import (
     CacheClient,
@@ -400,37 +398,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def test_client_and_server_agree_on_the_segment_layout() -> None:
-    for name in (
-        "MAGIC",
-        "NONCE_BYTES",
-        "SESSION_BYTES",
-        "_NONCE_AT",
-        "_SESSION_AT",
-        "HEADER_BYTES",
-        "ALIGN",
-    ):
-        assert getattr(client_shm, name) == getattr(server_shm, name), name
-    assert client_shm.host_id() == server_service.host_id()
-    assert client_shm.SEGMENT_PREFIX == server_shm.NAME_PREFIX
-
-
-def test_get_frames_with_shm_fields_are_the_protobuf_encoding() -> None:
-    for args, shm in (
-        ((3, 1, 4096, b"", [b"cpu"]), (8192, 4096)),
-        ((0, 2, 70, b"", []), (4160, 70)),
-    ):
-        want = pb.GetFrame(
-            index=args[0],
-            tier=args[1],
-            total_size=args[2],
-            tier_names=[n.decode() for n in args[4]],
-            shm_offset=shm[0],
-            shm_length=shm[1],
-        ).SerializeToString()
-        assert server_service.encode_get_frame(*args, shm) == want
 
 
 async def _session_lifecycle(name_prefix: str) -> None:

@@ -314,3 +314,31 @@ async def test_concurrent_tasks_keep_every_blob_bit_exact(
     stats = await cpu.stats()
     assert stats.capacity_bytes is not None
     assert stats.used_bytes <= stats.capacity_bytes
+
+
+@pytest.mark.asyncio
+async def test_get_into_reads_the_top_tier_in_place_and_promotes_from_redis(
+    redis_clean: RedisProc, make_store: MakeStore
+) -> None:
+    recorder = Recorder()
+    store = make_store(cpu_pages=2, redis_url=redis_clean.url, observer=recorder)
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    for i, key in enumerate((a, b, c), 1):
+        assert await store.put(key, blob_of(i)) is PutOutcome.STORED
+    recorder.take()  # a went down to Redis
+    out = bytearray(PAGE)
+    assert await store.get_into(c, memoryview(out)) == (PAGE, "cpu")
+    assert bytes(out) == blob_of(3) and recorder.take() == [("hit", "cpu")]
+    assert await store.get_into(a, memoryview(out)) == (PAGE, "redis")
+    assert bytes(out) == blob_of(1)
+    assert recorder.take() == [
+        ("hit", "redis"),
+        ("evict", "cpu"),
+        ("demote", "cpu", "redis"),
+        ("promote", "redis", "cpu"),
+    ]
+    small = bytearray(PAGE - 1)
+    assert await store.get_into(a, memoryview(small)) == (PAGE, "cpu")  # needs more room
+    assert bytes(small) == bytes(PAGE - 1) and recorder.take() == []  # nothing copied
+    assert await store.get_into(b"d" * 16, memoryview(out)) is None
+    assert recorder.take() == [("miss",)]

@@ -373,3 +373,24 @@ def test_pinned_auto_without_a_gpu_neither_imports_torch_nor_touches_the_pool(
         assert (pinned, torch_loaded) == ("False", "False")
     else:
         assert torch_loaded == "True"
+
+
+def test_get_into_copies_the_pages_straight_into_the_buffer() -> None:
+    async def run() -> None:
+        tier = small_tier(4)
+        a, b = blob_of(1, PAGE * 2 + 7), blob_of(2, PAGE)
+        await tier.put(b"a", a)
+        await tier.put(b"b", b)
+        out = bytearray(PAGE * 3)
+        assert await tier.get_into(b"a", memoryview(out)) == len(a)
+        assert bytes(out[: len(a)]) == a
+        assert tier.lru_keys() == [b"b", b"a"]  # a hit refreshes recency, as get does
+        small = bytearray(PAGE)
+        before = bytes(small)
+        assert await tier.get_into(b"a", memoryview(small)) == len(a)  # needs more room
+        assert bytes(small) == before and tier.lru_keys() == [b"b", b"a"]
+        assert await tier.get_into(b"b", memoryview(small)) == PAGE
+        assert bytes(small) == b and tier.lru_keys() == [b"a", b"b"]
+        assert await tier.get_into(b"zz", memoryview(out)) is None
+
+    asyncio.run(run())

@@ -10,18 +10,11 @@ import pytest
 import xxhash
 from server_procs import CacheServerProc, ServerFactory
 
+from nopecache.client.buffers import BufferPool
 from nopecache.client.config import ClientConfig, RetryPolicy
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.metrics import ClientMetrics
-from nopecache.client.transport import (
-    BufferPool,
-    PutStatus,
-    ServerConnection,
-    TransportError,
-    decode_get_frame,
-    encode_put_frame,
-)
-from nopecache.proto import cache_pb2 as pb
+from nopecache.client.transport import ServerConnection, StoreStatus
 from nopecache.proto.block import StoredForm, build_block
 
 # Small frames so that blocks of a few KiB travel in several frames.
@@ -59,43 +52,6 @@ def config(*servers: str, **changes: object) -> ClientConfig:
     return ClientConfig(servers=servers, **fields)  # type: ignore[arg-type]
 
 
-# -- codec -------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("key", "total", "data"),
-    [(key_of(1), 70000, b"x" * 300), (b"", 0, b"abc" * 1000), (key_of(2), 5, b"")],
-)
-def test_put_frames_are_the_protobuf_encoding(key: bytes, total: int, data: bytes) -> None:
-    encoded = encode_put_frame(key, total, memoryview(data))
-    assert encoded == pb.PutFrame(key=key, total_size=total, data=data).SerializeToString()
-
-
-def test_get_frames_decode_like_protobuf_and_views_the_message() -> None:
-    raw = pb.GetFrame(
-        index=300, tier=2, total_size=1 << 33, data=b"payload", tier_names=["cpu", "redis"]
-    ).SerializeToString()
-    index, tier, total, data = decode_get_frame(raw)
-    assert (index, tier, total, bytes(data)) == (300, 2, 1 << 33, b"payload")
-    assert data.obj is raw  # a view, not a copy
-    assert decode_get_frame(pb.GetFrame(index=4).SerializeToString())[:3] == (4, 0, 0)
-    # Unknown (reserved) fields are skipped as protobuf does.
-    assert decode_get_frame(b"\x08\x01" + b"\x40\x05" + b"\x22\x01z")[0] == 1
-
-
-@pytest.mark.parametrize(
-    ("raw", "message"),
-    [
-        (b"\x08", "ends inside a varint"),
-        (b"\x22\x05ab", "length runs past the message"),
-        (b"\x08\x01\x23", "unsupported wire type"),
-        (b"\x0a\x01x", "expected a varint, got bytes"),
-        (b"\x00\x01", "field number 0"),
-    ],
-)
-def test_malformed_get_frames_raise_transport_error(raw: bytes, message: str) -> None:
-    with pytest.raises(TransportError, match=message):
-        decode_get_frame(raw)
-
-
 # -- buffer pool -------------------------------------------------------------------------------
 def test_pool_reuses_given_back_buffers_of_the_same_size_class() -> None:
     pool = BufferPool(max_bytes=3 * 1024 * 1024)
@@ -121,9 +77,9 @@ async def _round_trip(server: CacheServerProc) -> None:
     keys = [key_of(i) for i in range(7)]
     blobs = [blob_of(k, tokens=40 * (i + 1)) for i, k in enumerate(keys)]  # 20..140 KiB
     results = await conn.put(list(zip(keys, blobs, strict=True)))
-    assert [r.status for r in results] == [PutStatus.STORED] * 7
+    assert [r.status for r in results] == [StoreStatus.STORED] * 7
     again = await conn.put([(keys[0], blobs[0]), (keys[6], memoryview(blobs[6]))])
-    assert [r.status for r in again] == [PutStatus.ALREADY_PRESENT] * 2
+    assert [r.status for r in again] == [StoreStatus.ALREADY_PRESENT] * 2
     info = conn.info
     assert info is not None and info.limits.max_keys_per_request == 3
     assert info.limits.max_frame_data_bytes == 64 * 1024 - 4096
@@ -148,12 +104,12 @@ async def _oversized(server: CacheServerProc) -> None:
     conn = ServerConnection(server.address, config(server.address))
     big, small = key_of(1), key_of(2)
     results = await conn.put([(big, blob_of(big, 1200)), (small, blob_of(small, 4))])
-    assert results[0].status is PutStatus.REJECTED
+    assert results[0].status is StoreStatus.REJECTED
     assert "over the server's max_block_bytes 262144" in results[0].reason
-    assert results[1].status is PutStatus.STORED
+    assert results[1].status is StoreStatus.STORED
     wrong = key_of(3)  # a block whose header names another key: the server refuses it
     (refused,) = await conn.put([(wrong, blob_of(small, 4))])
-    assert refused.status is PutStatus.REJECTED and "does not match" in refused.reason
+    assert refused.status is StoreStatus.REJECTED and "does not match" in refused.reason
     await conn.close()
 
 
@@ -173,7 +129,7 @@ async def _down_then_up(port_holder: CacheServerProc) -> None:
     assert conn.is_down()
     assert [b async for _, b in conn.get(keys)] == [None, None, None]
     (failed,) = await conn.put([(key_of(0), blob_of(key_of(0), 4))])
-    assert failed.status is PutStatus.FAILED and not failed.ok
+    assert failed.status is StoreStatus.FAILED and not failed.ok
     assert await conn.delete(keys) == 0 and await conn.stats() is None
     stats = metrics.snapshot()
     # One failed call (the first Stats); the rest were answered from the down state.
@@ -184,7 +140,7 @@ async def _down_then_up(port_holder: CacheServerProc) -> None:
     assert await conn.lookup(keys) == bytes(3)  # still inside the back-off: no call made
     await asyncio.sleep(conn.down_until - time.monotonic() + 0.01)
     (stored,) = await conn.put([(key_of(0), blob_of(key_of(0), 4))])
-    assert stored.status is PutStatus.STORED
+    assert stored.status is StoreStatus.STORED
     assert await conn.lookup(keys) == b"\x01\x00\x00"
     assert metrics.snapshot().server_errors == {address: 1}
     await conn.close()

@@ -148,7 +148,7 @@ def test_extra_config_defaults_and_values() -> None:
         ({"url": "http://x:1"}, "kv_connector_extra_config['url']: "),
         (
             {"url": URL, "pi_reuse": "blended"},
-            "['pi_reuse']: must be one of off, contiguous, got 'blended'",
+            "['pi_reuse']: must be one of off, contiguous, blend, got 'blended'",
         ),
         ({"url": URL, "save": "yes"}, "kv_connector_extra_config['save']: must be true or false"),
         ({"url": URL, "namespace": 3}, "kv_connector_extra_config['namespace']: must be a string"),

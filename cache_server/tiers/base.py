@@ -175,6 +175,21 @@ class Tier(ABC):
         """Remove ``keys``; for each, whether it was present."""
         return [await self.delete(key) for key in keys]
 
+    async def get_into(self, key: bytes, out: memoryview) -> int | None:
+        """Copy the blob of ``key`` into ``out`` and return its size n (``out[:n]`` holds
+        it), refreshing recency; None on a miss. A blob larger than ``out`` is not copied
+        (the size says how much room it needs) and does not refresh recency.
+
+        The default goes through ``get``; a tier whose bytes live in memory copies them
+        straight into ``out`` instead (no intermediate blob).
+        """
+        blob = await self.get(key)
+        if blob is None:
+            return None
+        if len(blob) <= out.nbytes:
+            out[: len(blob)] = blob
+        return len(blob)
+
 
 def check_key(key: object, field: str = "key") -> bytes:
     """Return ``key`` if it is non-empty bytes, else raise TypeError/ValueError naming it."""

@@ -220,6 +220,21 @@ class PagedTier(Tier):
                 out.append(self._read(placement))
         return out
 
+    async def get_into(self, key: bytes, out: memoryview) -> int | None:
+        """Copy the blob's pages straight into ``out`` (see ``Tier.get_into``)."""
+        self._check_open()
+        placement = self._table.index.get(key)
+        if placement is None:
+            return None
+        if placement.size <= out.nbytes:
+            self._table.index.move_to_end(key)
+            self._read_into(placement, out)
+        return placement.size
+
+    def _read_into(self, placement: Placement, out: memoryview) -> None:
+        """Gather a block's bytes into ``out`` (one copy per run); the default reads a copy."""
+        out[: placement.size] = self._read(placement)
+
     async def put(self, key: bytes, blob: BlobLike, *, keep_evicted: bool = True) -> PutResult:
         """Copy ``blob`` into the pool, evicting least recently used blocks to make room."""
         self._check_open()
@@ -348,6 +363,14 @@ class CpuTier(PagedTier):
             left -= n
         # bytes.join copies each buffer once straight into the result.
         return b"".join(parts)
+
+    def _read_into(self, placement: Placement, out: memoryview) -> None:
+        mem, page = self._mem, self._table.page_bytes
+        offset = 0
+        for start, count in placement.runs:
+            n = min(count * page, placement.size - offset)
+            out[offset : offset + n] = mem[start * page : start * page + n]
+            offset += n
 
     def _write(self, placement: Placement, src: memoryview) -> None:
         mem, page = self._mem, self._table.page_bytes

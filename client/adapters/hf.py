@@ -39,7 +39,8 @@ Touching hits within one segment are one chunk for the policy (see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -207,12 +208,20 @@ class HFEngine:
         name: str = "",
         revision: str = "",
         sink_prefix: Sequence[int] = (),
+        on_prefill: Callable[[int, float], None] | None = None,
     ) -> None:
         """Wrap ``model``; raise :class:`UnsupportedModelError` if it cannot be run exactly.
 
         ``sink_prefix``: tokens :meth:`chunk_kv` computes chunks behind by default (e.g.
         :data:`NEWLINE_SINK` for SmolLM2; token ids are the tokenizer's, so none is assumed).
+        ``on_prefill(tokens, seconds)`` is told after every :meth:`prefill` how many tokens
+        it computed (per layer, on average) and how long it took: a client's
+        ``observe_prefill`` (``CacheClientSource(client, engine=...)`` adds it), so the
+        cost model compares fetches with this engine's real prefill rate.
         """
+        self.prefill_observers: list[Callable[[int, float], None]] = (
+            [] if on_prefill is None else [on_prefill]
+        )
         self.sink_prefix = tuple(int(t) for t in sink_prefix)
         self.stack = LlamaStack(model)
         self.model = model
@@ -255,18 +264,25 @@ class HFEngine:
         """
         ids = self._ids(tokens)
         policy = policy if policy is not None else DEFAULT_POLICY
-        if reused is None:
-            return selective_prefill(
-                self.stack, ids, ReuseLayout(len(ids)), policy, capture=capture
-            )
-        if reused.layout.num_tokens != len(ids):
+        if reused is not None and reused.layout.num_tokens != len(ids):
             raise InvalidArgumentError(
                 "reused", f"covers {reused.layout.num_tokens} tokens, the prompt has {len(ids)}"
             )
-        layout = reused.layout.without_last_token()
-        return selective_prefill(
-            self.stack, ids, layout, policy, reused.k, reused.v, capture=capture
-        )
+        start = time.perf_counter()
+        if reused is None:
+            out = selective_prefill(self.stack, ids, ReuseLayout(len(ids)), policy, capture=capture)
+        else:
+            layout = reused.layout.without_last_token()
+            out = selective_prefill(
+                self.stack, ids, layout, policy, reused.k, reused.v, capture=capture
+            )
+        seconds = time.perf_counter() - start
+        if self.prefill_observers and seconds > 0:
+            # Tokens computed per layer on average: misses plus the recomputed reused ones.
+            computed = max(1, round(float(out.computed.double().mean())))
+            for observe in self.prefill_observers:
+                observe(computed, seconds)
+        return out
 
     def captured(self, prefill: PrefillOutput) -> CapturedKV:
         """The nope K and V of a full prefill run with ``capture=True``, to store."""
@@ -473,16 +489,25 @@ class CacheClientSource:
     """A :class:`KVSource` over nopecache's ``CacheClient`` (lookup, fetch, store)."""
 
     def __init__(
-        self, client: CacheClient, *, wait: bool = False, namespace: str | None = None
+        self,
+        client: CacheClient,
+        engine: HFEngine | None = None,
+        *,
+        wait: bool = False,
+        namespace: str | None = None,
     ) -> None:
         """Use ``client``, a ``CacheClient`` made for this engine's model.
 
+        With ``engine`` every prefill it runs is reported to ``client.observe_prefill`` (the
+        cost model then weighs fetches against this engine's real prefill rate).
         ``wait=False`` queues stores in the client's background queue (the engine is not
         held up); ``wait=True`` returns once the blocks are on their servers.
         ``namespace`` overrides the client config's for this source's keys.
         """
         self.client = client
         self.wait = wait
+        if engine is not None and client.observe_prefill not in engine.prefill_observers:
+            engine.prefill_observers.append(client.observe_prefill)
         self.namespace = namespace
 
     def reuse(self, tokens: TokenIds, segments: Sequence[int] = ()) -> ReusedKV | None:

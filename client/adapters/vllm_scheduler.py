@@ -249,6 +249,16 @@ class SchedulerSide:
             fetch_s=self._fetch_s(layout.num_pi),
             loop_tokens_per_s=self._loop_rate(),
         ):
+            log.info(
+                "nopecache: %s: blend claim [%d, %d) does not pay (%d reused of %d, "
+                "%.0f%% recomputed); claiming the prefix",
+                request.request_id,
+                start,
+                end,
+                layout.num_pi,
+                end - start,
+                100 * fraction,
+            )
             return prefix
         # The loop's rows match vLLM's own to rounding, not bit for bit: from its first
         # position on, nothing is stored and vLLM's prefix cache files nothing as exact.

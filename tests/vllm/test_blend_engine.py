@@ -16,6 +16,9 @@ One scenario, in order, fp32, one real nopecache server (engines start once, ~30
   5. vLLM's prefix cache and blending together: A's next report prompt gets no local
      prefix-cache hit on the blended blocks (they hold KV vLLM did not compute), while a
      chat sharing the stored system prompt still hits the exact blocks locally.
+  6. after an exact prefix: A prefills the report alone (exact blocks, stored); ALL
+     loads them and blends the rest, logprobs still vLLM's own; A finds exact blocks in
+     its own prefix cache.
 """
 
 from __future__ import annotations
@@ -198,7 +201,8 @@ def test_prefix_cache_never_serves_blended_blocks(state: dict[str, Any]) -> None
     again = _report_prompt(a, "Which line was the latest?")
     out = a.generate(again, max_tokens=4)
     after = a.metrics()
-    # vLLM's prefix cache is asked before the connector: blended blocks are not exact.
+    # vLLM's prefix cache is asked before the connector: the blocks of the blended
+    # prompt are not exact, so none is served (unsalted, the shared 896 tokens would be).
     assert _delta(after, before, "vllm:prefix_cache_hits") == 0
     assert out["ids"]
     same_system = list(
@@ -209,3 +213,54 @@ def test_prefix_cache_never_serves_blended_blocks(state: dict[str, Any]) -> None
     after = a.metrics()
     shared = min(len(chat), len(same_system)) // BLOCK * BLOCK
     assert _delta(after, before, "vllm:prefix_cache_hits") >= shared - BLOCK
+
+
+def test_blend_after_an_exact_prefix_local_or_loaded(state: dict[str, Any]) -> None:
+    a, every, prompt, base = state["a"], state["every"], state["prompt"], state["base"]
+    sys_start, sys_end = state["span"]
+    # A prefills the report with another ending itself (nothing to blend: vLLM computes
+    # it, its blocks are exact): they land in A's prefix cache and on the server.
+    report_only = list(
+        a.chat(
+            [
+                {"role": "user", "content": f"Here is this week's delay report. {REPORT}"},
+                {"role": "user", "content": "Summarise it."},
+            ]
+        )
+    )
+    exact = min(sys_start, len(report_only)) // BLOCK * BLOCK
+    assert prompt[:exact] == report_only[:exact] and exact >= 4 * BLOCK
+    saved = _metrics(a).get("saved_tokens", 0.0)
+    a.generate(report_only, max_tokens=2)
+    _wait_stored(a, saved + exact)
+    claim = sys_end - sys_end % BLOCK
+
+    # ALL loads the exact blocks, blends the rest: still vLLM's own logprobs.
+    before = _metrics(every)
+    out = _run(every, prompt)
+    after = _metrics(every)
+    assert out["cached"] == claim
+    assert _delta(after, before, "loaded_exact_tokens") == exact
+    assert _delta(after, before, "blend_claimed_tokens") == claim
+    # The system prompt, and the report's last chunk too (report_only stored it), reused.
+    reused = _delta(after, before, "loaded_pi_tokens")
+    assert reused >= claim - sys_start
+    assert _delta(after, before, "blend_miss_tokens") == claim - exact - reused
+    assert out["ids"] == base["ids"]
+    worst = max(
+        abs(mine[t] - ref[t])
+        for mine, ref in zip(out["logprobs"], base["logprobs"], strict=True)
+        for t in ref
+    )
+    assert worst <= LOGPROB_TOL, f"logprobs differ by {worst}"
+
+    # A holds exact blocks in its own prefix cache: any claim starts after them (a blend
+    # claim there is the cost model's call, on timings measured in this run).
+    before_all = a.metrics()
+    out = a.generate(prompt, max_tokens=8)
+    after_all = a.metrics()
+    # Exact blocks only: report_only's, or the last prompt's if vLLM computed it itself.
+    assert _delta(after_all, before_all, "vllm:prefix_cache_hits") in (exact, claim)
+    assert out["cached"] in (exact, claim)
+    assert out["ids"]
+    state.update(exact=exact)

@@ -1,0 +1,322 @@
+"""The data plane against its ceilings: lookup + fetch into a paged cache, and store, beside
+a raw loopback socket and an in-process memcpy of the same bytes, in one run.
+
+Setup (all on 127.0.0.1): one ``python -m nopecache.cache_server`` child with a CPU tier
+(the server applies its glibc allocator setting; the client process applies the same,
+``nopecache.proto.allocator``), and this process as the engine. KV of two shapes, bf16,
+stored as exact-prefix blocks of 256 tokens:
+
+    smollm2     30 layers x 3 KV heads x 64   (22.5 KiB per token)
+    llama3-8b   32 layers x 8 KV heads x 128  (128 KiB per token)
+
+at 256, 1024 and 4096 tokens. Per shape and size, each the best of ``--reps`` after a
+warm-up, with GB/s = 10^9 bytes of K and V payload per second::
+
+    tcp      a Python socket sending the payload from a preallocated buffer, received with
+             recv_into a preallocated buffer on another thread: the loopback ceiling
+    memcpy   torch copy of the payload between two preallocated, touched buffers
+    grpc     CacheClient.lookup + CacheClient.fetch(into=PagedKV) with shm=off, bulk=off:
+             gRPC Get streams, verification (checksums, key, fingerprint, tokens),
+             placement into a vLLM-layout paged cache (16-slot pages, shuffled block table)
+    bulk     the same with bulk=auto (the default): Get payloads over the bulk byte
+             stream, received with recv_into into pooled buffers (client/bulk.py)
+    shm      the same with shm=on: blocks land in the client's shared-memory segment
+    put      CacheClient.store of fresh blocks (Lookup, encode, Put), shm=off, bulk=auto
+             (the default): blocks sent over the bulk byte stream
+    putgrpc  the same with bulk=off: gRPC Put streams (the fallback)
+
+Cold start: a child process builds a CacheClient (which warms its channel, shared-memory
+session, buffers and kernels at construction) and times its first lookup + fetch of
+SmolLM2 1024 tokens against the best of the next five: ``cold_vs_warm``.
+
+RESULT keys: ``tcp_gbps``, ``fetch_gbps`` (the bulk stream: the default network path),
+``shm_gbps``, ``put_gbps`` (the bulk stream), ``put_grpc_gbps`` and ``grpc_gbps`` (the gRPC
+fallbacks) are geometric means over the six cases; ``fetch_vs_tcp``, ``put_vs_tcp``,
+``grpc_vs_tcp`` and ``shm_vs_memcpy`` geometric means of the per-case ratios;
+``fetch_4096_vs_1024`` the worse shape's bulk GB/s at 4096 tokens over 1024. Targets:
+fetch_vs_tcp >= 0.6, put_vs_tcp >= 0.5, fetch_4096_vs_1024 >= 0.9, shm_vs_memcpy >= 0.5,
+cold_vs_warm <= 2.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from _harness import best_of, cache_server, paged_target
+
+from nopecache.client import CacheClient, ClientConfig, ModelFingerprint
+from nopecache.client.cost import CostConfig
+from nopecache.kernels import RopeSpec
+from nopecache.proto.block import StoredForm
+
+DTYPE = torch.bfloat16
+PREFIX_BLOCK = 256
+SHAPES = {"smollm2": (30, 3, 64), "llama3-8b": (32, 8, 128)}
+SIZES = (256, 1024, 4096)
+COLD_SHAPE, COLD_TOKENS = "smollm2", 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """One KV shape: its fingerprint and RoPE spec."""
+
+    name: str
+    layers: int
+    heads: int
+    dim: int
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The shape's RoPE spec."""
+        return RopeSpec.default(self.dim)
+
+    def fingerprint(self) -> ModelFingerprint:
+        """Post-RoPE K (what vLLM holds): exact-prefix blocks come back at the positions
+        they were stored at, so placement is a copy and the bench measures data movement,
+        not RoPE arithmetic (bench/kernels.py measures that)."""
+        return ModelFingerprint.from_rope_spec(
+            model=f"{self.name}-shaped",
+            revision="bench",
+            num_layers=self.layers,
+            num_kv_heads=self.heads,
+            dtype=DTYPE,
+            form=StoredForm.ROPE,
+            rope=self.rope,
+        )
+
+    def client(self, address: str, path: str, namespace: str) -> CacheClient:
+        """A client of this shape whose Gets take ``path`` ("grpc", "bulk", "shm" or
+        "auto": the defaults); the cost model is off (every hit is fetched)."""
+        config = ClientConfig(
+            servers=(address,),
+            get_timeout_s=120.0,
+            put_timeout_s=120.0,
+            cost=CostConfig(enabled=False),
+            shm={"shm": "on", "auto": "auto"}.get(path, "off"),  # type: ignore[arg-type]
+            bulk="off" if path == "grpc" else "auto",
+            namespace=namespace,
+        )
+        return CacheClient(
+            config,
+            fingerprint=self.fingerprint(),
+            rope=self.rope,
+            v_head_dim=self.dim,
+            prefix_block_tokens=PREFIX_BLOCK,
+        )
+
+    def kv(self, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prompt token ids and random K, V ``[layers, tokens, heads, dim]``."""
+        g = torch.Generator().manual_seed(seed)
+        shape = (self.layers, tokens, self.heads, self.dim)
+        k = torch.randn(shape, generator=g).to(DTYPE)
+        v = torch.randn(shape, generator=g).to(DTYPE)
+        return torch.randint(0, 50000, (tokens,), generator=g), k, v
+
+
+def tcp_seconds(nbytes: int, reps: int) -> float:
+    """Best time to move ``nbytes`` over a loopback TCP socket into a preallocated buffer."""
+    src = bytearray(b"\x01" * nbytes)
+    dst = bytearray(nbytes)
+    view = memoryview(dst)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        sender = socket.create_connection(("127.0.0.1", port))
+        receiver, _ = listener.accept()
+    go = threading.Semaphore(0)
+
+    def send() -> None:
+        for _ in range(reps + 1):
+            go.acquire()
+            sender.sendall(src)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+
+    def receive() -> None:
+        go.release()
+        got = 0
+        while got < nbytes:
+            got += receiver.recv_into(view[got:], min(nbytes - got, 4 * 1024 * 1024))
+
+    try:
+        return best_of(reps, receive)
+    finally:
+        thread.join()
+        sender.close()
+        receiver.close()
+
+
+def memcpy_seconds(nbytes: int, reps: int) -> float:
+    """Best time of one torch copy of ``nbytes`` between touched buffers."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    return best_of(reps, lambda: dst.copy_(src))
+
+
+def fetch_seconds(model: Model, address: str, path: str, tokens: int, reps: int) -> float:
+    """Best lookup + fetch into a paged cache of ``tokens`` stored tokens (checked exact)."""
+    prompt, k, v = model.kv(tokens, seed=tokens)
+    into = paged_target(tokens, model.layers, model.heads, model.dim, DTYPE)
+    with model.client(address, path, f"fetch-{tokens}") as client:
+        report = client.store(prompt, (k, v), form="rope", position_independent=False)
+        assert report.failed == 0, report
+        failed: list[int] = []
+
+        def fetch() -> None:
+            plan = client.lookup(prompt, allow_position_independent=False)
+            assert plan.prefix_end == tokens, plan
+            failed.append(len(client.fetch(plan, prompt, into=into).failed))
+
+        seconds = best_of(reps, fetch)
+        if path == "shm":
+            assert client.core.shm is not None and client.core.shm.stats().grpc_blocks == 0
+    assert failed == [0] * len(failed), "blocks failed to fetch"
+    for caches, want in ((into.k_caches, k), (into.v_caches, v)):
+        assert caches is not None
+        page = caches[-1].view(-1, model.heads, model.dim)[into.slot_mapping]
+        assert torch.equal(page, want[-1]), "the paged cache does not hold the stored KV"
+    return seconds
+
+
+def put_seconds(model: Model, address: str, path: str, tokens: int, reps: int) -> float:
+    """Best store of ``tokens`` tokens of fresh blocks over ``path`` ("bulk" or "grpc"; a
+    new namespace per run)."""
+    prompt, k, v = model.kv(tokens, seed=tokens + 1)
+    runs = iter(range(reps + 1))
+    with model.client(address, path, "put") as client:
+
+        def store() -> None:
+            report = client.store(
+                prompt,
+                (k, v),
+                form="rope",
+                namespace=f"put-{path}-{tokens}-{next(runs)}",
+                position_independent=False,
+            )
+            assert report.failed == 0 and report.stored == tokens // PREFIX_BLOCK, report
+
+        return best_of(reps, store)
+
+
+def cold_child(address: str) -> None:
+    """Child process: the first lookup + fetch of a fresh client, then warm ones (JSON)."""
+    model = Model(COLD_SHAPE, *SHAPES[COLD_SHAPE])
+    prompt, k, _ = model.kv(COLD_TOKENS, seed=COLD_TOKENS)
+    into = paged_target(COLD_TOKENS, model.layers, model.heads, model.dim, DTYPE)
+    with model.client(address, "auto", "cold") as client:
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            plan = client.lookup(prompt, allow_position_independent=False)
+            result = client.fetch(plan, prompt, into=into)
+            times.append(time.perf_counter() - start)
+            assert plan.prefix_end == COLD_TOKENS and not result.failed
+    page = into.k_caches[0].view(-1, model.heads, model.dim)[into.slot_mapping]
+    assert torch.equal(page, k[0])
+    print(json.dumps({"cold": times[0], "warm": min(times[1:])}))
+
+
+def measure(model: Model, addr: str, tokens: int, reps: int) -> dict[str, float]:
+    """GB/s of every path for one case (and its payload MiB)."""
+    nbytes = model.layers * model.heads * model.dim * 2 * 2 * tokens
+    seconds: dict[str, Callable[[], float]] = {
+        "tcp": lambda: tcp_seconds(nbytes, reps),
+        "memcpy": lambda: memcpy_seconds(nbytes, reps),
+        "grpc": lambda: fetch_seconds(model, addr, "grpc", tokens, reps),
+        "bulk": lambda: fetch_seconds(model, addr, "bulk", tokens, reps),
+        "shm": lambda: fetch_seconds(model, addr, "shm", tokens, reps),
+        "put": lambda: put_seconds(model, addr, "bulk", tokens, reps),
+        "putgrpc": lambda: put_seconds(model, addr, "grpc", tokens, reps),
+    }
+    row = {name: nbytes / run() / 1e9 for name, run in seconds.items()}
+    row["mib"] = nbytes / 2**20
+    return row
+
+
+def geomean(values: list[float]) -> float:
+    """Geometric mean."""
+    return math.exp(sum(math.log(x) for x in values) / len(values))
+
+
+def main() -> None:
+    """Run every case and print the RESULT line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--cold-child", metavar="ADDRESS", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cold_child:
+        cold_child(args.cold_child)
+        return
+    models = [Model(name, *shape) for name, shape in SHAPES.items()]
+    total = sum(m.layers * m.heads * m.dim * 2 * 2 * n for m in models for n in SIZES)
+    # Room for every case's fetch blocks; the put runs' fresh blocks push out older ones.
+    capacity = f"{math.ceil(total * 1.5 / 2**20)}MiB"
+    print(f"torch threads {torch.get_num_threads()}; server capacity {capacity}")
+    print(
+        f"{'case':>16} {'MiB':>6} {'tcp':>6} {'memcpy':>7} {'grpc':>6} {'bulk':>6} {'shm':>6} "
+        f"{'put':>6} {'putgrpc':>7}   GB/s"
+    )
+    rows: dict[tuple[str, int], dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp, cache_server(capacity, Path(tmp) / "s.log") as addr:
+        for model in models:
+            for tokens in SIZES:
+                row = measure(model, addr, tokens, args.reps)
+                rows[model.name, tokens] = row
+                print(
+                    f"{model.name + ' ' + str(tokens):>16} {row['mib']:6.1f} "
+                    f"{row['tcp']:6.2f} {row['memcpy']:7.2f} {row['grpc']:6.2f} "
+                    f"{row['bulk']:6.2f} {row['shm']:6.2f} {row['put']:6.2f} "
+                    f"{row['putgrpc']:7.2f}",
+                    flush=True,
+                )
+        # The child's blocks, stored just before it starts (earlier puts may have pushed
+        # the fetch cases' blocks out of the tier).
+        cold_model = Model(COLD_SHAPE, *SHAPES[COLD_SHAPE])
+        prompt, k, v = cold_model.kv(COLD_TOKENS, seed=COLD_TOKENS)
+        with cold_model.client(addr, "grpc", "cold") as client:
+            client.store(prompt, (k, v), form="rope", position_independent=False)
+        child = subprocess.run(
+            [sys.executable, __file__, "--cold-child", addr], capture_output=True, text=True
+        )
+        if child.returncode:
+            raise RuntimeError(f"cold-start child failed: {child.stderr[-3000:]}")
+    cold = json.loads(child.stdout.strip().splitlines()[-1])
+    cold_vs_warm = cold["cold"] / cold["warm"]
+    print(
+        f"cold start ({COLD_SHAPE} {COLD_TOKENS} tokens, new process): first lookup + fetch "
+        f"{cold['cold'] * 1e3:.1f} ms, warm {cold['warm'] * 1e3:.1f} ms"
+    )
+    cases = list(rows.values())
+    tcp = geomean([r["tcp"] for r in cases])
+    fetch = geomean([r["bulk"] for r in cases])
+    grpc_only = geomean([r["grpc"] for r in cases])
+    shm = geomean([r["shm"] for r in cases])
+    put = geomean([r["put"] for r in cases])
+    put_grpc = geomean([r["putgrpc"] for r in cases])
+    fetch_vs_tcp = geomean([r["bulk"] / r["tcp"] for r in cases])
+    grpc_vs_tcp = geomean([r["grpc"] / r["tcp"] for r in cases])
+    put_vs_tcp = geomean([r["put"] / r["tcp"] for r in cases])
+    shm_vs_memcpy = geomean([r["shm"] / r["memcpy"] for r in cases])
+    scaling = min(rows[m.name, 4096]["bulk"] / rows[m.name, 1024]["bulk"] for m in models)
+    print(
+        f"RESULT tcp_gbps={tcp:.3f} fetch_gbps={fetch:.3f} fetch_vs_tcp={fetch_vs_tcp:.3f} "
+        f"fetch_4096_vs_1024={scaling:.3f} shm_gbps={shm:.3f} shm_vs_memcpy={shm_vs_memcpy:.3f} "
+        f"cold_vs_warm={cold_vs_warm:.3f} put_gbps={put:.3f} put_vs_tcp={put_vs_tcp:.3f} "
+        f"put_grpc_gbps={put_grpc:.3f} grpc_gbps={grpc_only:.3f} grpc_vs_tcp={grpc_vs_tcp:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""The bulk byte stream: Get and Put payloads over a plain TCP connection (layout in
+proto/bulk.py).
+
+Why: a Python gRPC stream moves MiB-sized frames at a fraction of what a plain socket
+moves (every frame is a fresh bytes object copied through gRPC's core, and per-message
+work runs in Python). Here a block goes from the tier's bytes to the kernel with
+``sock_sendall`` of a memoryview (no copy in this process), and the client receives it
+with ``recv_into`` straight into a pooled buffer. A PUT's blocks arrive with
+``sock_recv_into`` into one buffer each, with no frames to decode and join.
+
+Control stays on gRPC: ``OpenBulk`` (authenticated like every call, so it knows the
+tenant) issues a one-use ticket valid for ``TICKET_TTL_S``; the connection presents it
+first and serves that tenant's keys from then on, one request at a time, with the same
+checks as the gRPC calls: a GET's key count (sizes are the tier's own; blocks of
+untrusted tiers verified by the store); a PUT's block count, sizes and total, then each
+block through the service's own ``check_block`` and the whole PUT through its
+``store_staged`` (verification, quotas, metrics: one code path for both transports).
+Only plaintext servers offer it (with TLS the bytes would leave the encrypted channel);
+the listener binds the gRPC host on an ephemeral port, starts on the first OpenBulk and
+holds at most ``MAX_CONNECTIONS`` connections.
+
+Bounded like the gRPC Get (inflight.py): each connection holds a lease of the server's
+in-flight budget under the same owner a gRPC call of its client has (the tenant with
+auth, else the connection), and reserves the block it sends until it is sent (a PUT:
+each block as its head arrives, until the PUT is stored); a full budget that stays full
+for ``stream_idle_timeout_s`` answers an ERROR naming it, and a reader that takes no
+bytes (a PUT sender that sends none) for that long has its connection closed.
+
+Concurrency: everything runs on the server's event loop (sockets non-blocking, loop
+``sock_*`` calls); the ticket table and connection set change only between awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from nopecache.cache_server.config import ServerConfig
+from nopecache.cache_server.inflight import InflightBudget, Lease, StreamCut
+from nopecache.cache_server.metrics import ServerMetrics
+from nopecache.cache_server.store import TieredStore
+from nopecache.cache_server.tenants import Tenant, namespaced_keys
+from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.bulk import (
+    BLOCK,
+    COUNT,
+    ENTRY,
+    ERROR_CODE,
+    MAGIC,
+    PUT_FLAG,
+    PUT_REPLY_CODE,
+    TICKET_BYTES,
+)
+from nopecache.proto.contract import KEY_BYTES
+
+__all__ = ["MAX_CONNECTIONS", "TICKET_TTL_S", "BulkServer", "PutIntake", "Staged"]
+
+log = logging.getLogger(__name__)
+
+TICKET_TTL_S = 30.0
+MAX_CONNECTIONS = 256
+_HELLO_TIMEOUT_S = 10.0
+
+Staged = list[tuple[int, bytes, memoryview | bytes]]
+"""The valid blocks of one Put as (position, key, blob), none of them stored yet."""
+
+
+class PutIntake(Protocol):
+    """What stores a PUT: the service's checks and store step (service.KVCacheService)."""
+
+    async def check_block(
+        self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
+    ) -> None: ...
+
+    async def store_staged(
+        self, tenant: Tenant, results: list[pb.PutResult], staged: Staged
+    ) -> pb.PutReply: ...
+
+
+class _Refused(Exception):
+    """A request the connection answers with an ERROR (then closes): reason, message."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class BulkServer:
+    """The bulk listener of one server (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        metrics: ServerMetrics,
+        *,
+        host: str,
+        config: ServerConfig,
+        codes: dict[str | None, int],
+        inflight: InflightBudget,
+        intake: PutIntake,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """A listener (not started) serving ``store`` on ``host`` within ``config``'s
+        request limits, its block bytes in flight bounded by ``inflight`` (the service's
+        budget), PUTs stored by ``intake``."""
+        self._store = store
+        self._metrics = metrics
+        self._inflight = inflight
+        self._intake = intake
+        self._host = host
+        self._config = config
+        self._max_keys = config.max_keys_per_request
+        self._codes = codes
+        self._clock = clock
+        self._tickets: dict[bytes, tuple[Tenant, float]] = {}
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def ticket(self, tenant: Tenant) -> tuple[int, bytes]:
+        """(port, ticket) for one connection of ``tenant``; starts the listener if needed."""
+        if self._listener is None:
+            self._start()
+        now = self._clock()
+        for old in [t for t, (_, until) in self._tickets.items() if until <= now]:
+            del self._tickets[old]
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        self._tickets[ticket] = (tenant, now + TICKET_TTL_S)
+        return self.port, ticket
+
+    def _start(self) -> None:
+        family = socket.AF_INET6 if ":" in self._host.strip("[]") else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self._host.strip("[]"), 0))
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(listener))
+        log.info("bulk byte stream listening on %s:%d", self._host, self.port)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            if len(self._connections) >= MAX_CONNECTIONS:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._serve(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    def _redeem(self, ticket: bytes) -> Tenant | None:
+        found = None
+        for known in self._tickets:
+            if hmac.compare_digest(known, ticket):
+                found = known
+        if found is None:
+            return None
+        tenant, until = self._tickets.pop(found)
+        return tenant if until > self._clock() else None
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            hello = await asyncio.wait_for(
+                _recv_exact(loop, conn, len(MAGIC) + TICKET_BYTES), _HELLO_TIMEOUT_S
+            )
+            tenant = self._redeem(hello[len(MAGIC) :]) if hello[: len(MAGIC)] == MAGIC else None
+            if tenant is None:
+                self._metrics.rejected("Bulk", "bad_ticket")
+                return
+            await loop.sock_sendall(conn, MAGIC)
+            owner = tenant.name if tenant.namespace else _peer(conn)
+            with self._inflight.lease(owner) as lease:
+                await self._requests(loop, conn, tenant, lease)
+        except (StreamCut, _Refused) as refused:
+            self._metrics.rejected("Bulk", refused.reason)
+            with contextlib.suppress(OSError):
+                await _send_error(loop, conn, refused.message)
+        except (OSError, TimeoutError, EOFError) as e:
+            log.debug("bulk connection ended: %s", e)
+        finally:
+            conn.close()
+
+    async def _requests(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, tenant: Tenant, lease: Lease
+    ) -> None:
+        """Serve the GETs and PUTs of one welcomed connection until it closes (or is cut)."""
+        task = asyncio.current_task()
+        assert task is not None
+
+        def cut() -> None:  # a send or receive the peer does not serve in time ends the task
+            task.cancel()
+
+        lease.watch(cut)
+        # The connection's send buffer: each block is copied into it by the tier
+        # (get_into, no blob allocated per block) and sent before the next is read.
+        buffer = bytearray()
+        while True:
+            head = await _recv_exact(loop, conn, COUNT.size, eof_ok=True)
+            if not head:
+                return
+            (word,) = COUNT.unpack(head)
+            put, count = bool(word & PUT_FLAG), word & ~PUT_FLAG
+            what = "PUT block count" if put else "GET key count"
+            if count > self._max_keys:
+                raise _Refused(
+                    "too_many_keys",
+                    f"{what}: {count} {'blocks' if put else 'keys'} exceeds "
+                    f"max_keys_per_request {self._max_keys}",
+                )
+            try:
+                if put:
+                    reply = await self._put(loop, conn, tenant, count, lease)
+                    data = reply.SerializeToString()
+                    await self._send(loop, conn, lease, ENTRY.pack(PUT_REPLY_CODE, len(data)))
+                    await self._send(loop, conn, lease, data)
+                else:
+                    packed = await _recv_exact(loop, conn, count * KEY_BYTES)
+                    buffer = await self._get(loop, conn, tenant, packed, buffer, lease)
+            except asyncio.CancelledError:
+                if not lease.stalled:
+                    raise
+                task.uncancel()
+                cut_by = lease.idle_cut() if put else lease.slow_reader_cut("GET")
+                self._metrics.rejected("Bulk", cut_by.reason)
+                log.info("bulk connection of %s cut: %s", tenant.name, cut_by.message)
+                return
+            finally:
+                lease.release()
+
+    async def _put(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        tenant: Tenant,
+        count: int,
+        lease: Lease,
+    ) -> pb.PutReply:
+        """Receive one PUT's ``count`` blocks, each checked as it completes, then store
+        them as a gRPC Put would (nothing is stored before the last block is in)."""
+        config = self._config
+        results: list[pb.PutResult] = []
+        staged: Staged = []
+        total = 0
+        with self._metrics.latency["Put"].time():
+            for position in range(count):
+                size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
+                if not 0 < size <= config.max_block_bytes:
+                    raise _Refused(
+                        "block_too_large" if size else "bad_framing",
+                        f"PUT block #{position}: size {size} outside (0, max_block_bytes "
+                        f"{config.max_block_bytes}]",
+                    )
+                total += size
+                if total > config.max_request_bytes:
+                    raise _Refused(
+                        "request_too_large",
+                        f"PUT block #{position}: the blocks add up to {total} bytes, over "
+                        f"max_request_bytes {config.max_request_bytes}",
+                    )
+                await lease.reserve(size, f"PUT block #{position}")
+                blob = bytearray(size)
+                await self._recv_into(loop, conn, lease, memoryview(blob))
+                results.append(pb.PutResult(key=key))
+                await self._intake.check_block(key, memoryview(blob), results, staged)
+            return await self._intake.store_staged(tenant, results, staged)
+
+    async def _get(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        tenant: Tenant,
+        packed: bytes,
+        buffer: bytearray,
+        lease: Lease,
+    ) -> bytearray:
+        """Answer one GET: an ENTRY and the bytes of each key, in order, each block
+        reserved in ``lease`` while it is sent; the send buffer (grown to the largest
+        block seen)."""
+        keys = (
+            namespaced_keys(tenant.namespace, packed)
+            if tenant.namespace
+            else [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+        )
+        sent = 0
+        with self._metrics.latency["Get"].time():
+            for key in keys:
+                found = await self._store.get_into(key, memoryview(buffer))
+                if found is not None and found[0] > len(buffer):
+                    # Grown to the largest block seen (within the budget), then reused
+                    # for every later one.
+                    await lease.reserve(found[0], "bulk GET")
+                    buffer = bytearray(found[0])
+                    found = await self._store.get_into(key, memoryview(buffer))
+                if found is None:
+                    lease.release()
+                    await self._send(loop, conn, lease, ENTRY.pack(0, 0))
+                    continue
+                size, tier = found
+                await lease.reserve(size - lease.held_bytes, "bulk GET")
+                await self._send(loop, conn, lease, ENTRY.pack(self._codes[tier], size))
+                await self._send(loop, conn, lease, memoryview(buffer)[:size])
+                lease.release()
+                sent += size
+        self._metrics.get_bytes(sent)
+        self._metrics.tenant_get_bytes(tenant.name, sent)
+        return buffer
+
+    @staticmethod
+    async def _recv(
+        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, n: int
+    ) -> bytes:
+        """``n`` bytes of a request, watched by the lease's idle timer."""
+        buf = bytearray(n)
+        await BulkServer._recv_into(loop, conn, lease, memoryview(buf))
+        return bytes(buf)
+
+    @staticmethod
+    async def _recv_into(
+        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, view: memoryview
+    ) -> None:
+        """Fill ``view`` from the peer, watched by the lease's idle timer (a sender that
+        sends nothing for ``stream_idle_timeout_s`` gets the task cancelled)."""
+        got, n = 0, view.nbytes
+        while got < n:
+            lease.begin_wait()
+            try:
+                k = await loop.sock_recv_into(conn, view[got:])
+            finally:
+                lease.end_wait()
+            if not k:
+                raise EOFError(f"connection closed after {got} of {n} bytes")
+            got += k
+
+    @staticmethod
+    async def _send(
+        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, data: bytes | memoryview
+    ) -> None:
+        """``sock_sendall``, watched by the lease's idle timer (a reader that takes
+        nothing for ``stream_idle_timeout_s`` gets the task cancelled)."""
+        lease.begin_wait()
+        try:
+            await loop.sock_sendall(conn, data)
+        finally:
+            lease.end_wait()
+
+    async def close(self) -> None:
+        """Stop listening and end every connection."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def _peer(conn: socket.socket) -> str:
+    """The connection's peer, written as gRPC writes a peer (``ipv4:host:port``)."""
+    try:
+        address = conn.getpeername()
+    except OSError:
+        return "bulk:unknown"
+    if conn.family == socket.AF_INET6:
+        return f"ipv6:[{address[0]}]:{address[1]}"
+    return f"ipv4:{address[0]}:{address[1]}"
+
+
+async def _recv_exact(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int, *, eof_ok: bool = False
+) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(conn, view[got:])
+        if not k:
+            if eof_ok and not got:
+                return b""
+            raise EOFError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+async def _send_error(loop: asyncio.AbstractEventLoop, conn: socket.socket, message: str) -> None:
+    data = message.encode()
+    await loop.sock_sendall(conn, ENTRY.pack(ERROR_CODE, len(data)) + data)

@@ -1,0 +1,334 @@
+"""Client side of the bulk byte stream: Get payloads received with ``recv_into`` straight
+into pooled buffers, Put payloads sent from the encoded blocks with ``sendall`` (layout
+in proto/bulk.py; the server side is cache_server/bulk.py).
+
+A Python gRPC stream delivers each frame as a fresh bytes object that the client then
+copies into a block buffer; a plain socket can do in one ``recv_into`` what that does in
+two copies and a Python loop per frame. :class:`BulkSource` is the connection's data
+source when the server offers the stream (plaintext servers): per call it takes an idle
+socket (or asks ``OpenBulk`` for a ticket and connects one), sends the keys, and reads
+each block with a blocking ``recv_into`` on a worker thread (one thread hop per block;
+the GIL is released while the kernel copies), so block n is placed while block n+1 is
+still arriving. :meth:`BulkSource.put_blocks` sends one Put stream's blocks (the
+connection has already split them by the server's limits) and reads the server's
+PutReply, on a worker thread. A socket whose call did not finish cleanly is closed,
+never reused.
+
+Checks as on the gRPC path: entries in request order, tier codes the server has, sizes
+within its ``max_block_bytes`` (the block's checksums are verified at placement). A
+broken stream or a missed deadline raises TransportError: the connection marks the
+server down, its keys become misses. A server that offers no stream (TLS, an older
+server, a port this host cannot reach) makes this source use gRPC, asked again after
+``RETRY_S``.
+
+Concurrency: calls run on the connection's loop; sockets are used by one call at a time
+(the idle list changes only on the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import grpc.aio
+from google.protobuf.message import DecodeError
+
+from nopecache.client.buffers import BufferPool
+from nopecache.client.config import split_server
+from nopecache.client.errors import TransportError
+from nopecache.client.transport import ServerConnection
+from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.bulk import (
+    BLOCK,
+    ENTRY,
+    ERROR_CODE,
+    MAGIC,
+    PUT_REPLY_CODE,
+    check_entry,
+    encode_get,
+    encode_put,
+    hello,
+)
+from nopecache.proto.contract import KEY_BYTES, method_path
+from nopecache.proto.frames import BytesLike
+from nopecache.proto.wire import WireError
+
+__all__ = ["RETRY_S", "BulkSource"]
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 30.0
+_MAX_IDLE = 4
+# A PutReply holds a result (key, outcome, code, reason) per block: far below this.
+_MAX_REPLY_BYTES = 16 * 1024 * 1024
+
+
+class BulkSource:
+    """A connection's BlockSource over the bulk byte stream (see the module docstring)."""
+
+    def __init__(self, conn: ServerConnection) -> None:
+        """The bulk source of ``conn`` (nothing is opened until the first call)."""
+        self._conn = conn
+        self._idle: list[socket.socket] = []
+        self._retry_at = 0.0
+        self._refused_logged = False
+        self.bulk_blocks = 0
+        self.bulk_puts = 0
+        self.grpc_calls = 0
+
+    @property
+    def available(self) -> bool:
+        """Whether calls try the bulk stream now (not refused within RETRY_S)."""
+        return time.monotonic() >= self._retry_at
+
+    async def warm(self) -> None:
+        """Connect one socket ahead of the first Get."""
+        if not self._idle and self.available:
+            sock = await self._open(time.monotonic() + self._conn.config.connect_timeout_s)
+            if sock is not None:
+                self._idle.append(sock)
+
+    def _refuse(self, why: str) -> None:
+        self._retry_at = time.monotonic() + RETRY_S
+        if not self._refused_logged:
+            self._refused_logged = True
+            log.info("nopecache %s: no bulk stream (%s); using gRPC", self._conn.address, why)
+
+    async def _open(self, deadline: float) -> socket.socket | None:
+        """A connected, welcomed socket; None (and gRPC for a while) if there is none."""
+        conn = self._conn
+        call = conn.channel.unary_unary(
+            method_path("OpenBulk"),
+            request_serializer=pb.OpenBulkRequest.SerializeToString,
+            response_deserializer=pb.OpenBulkReply.FromString,
+        )
+        try:
+            reply: pb.OpenBulkReply = await call(
+                pb.OpenBulkRequest(), timeout=_remaining(deadline), metadata=conn.metadata
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._refuse("the server predates OpenBulk")
+                return None
+            raise  # the server is failing: the connection handles it
+        if reply.refused or not reply.port:
+            self._refuse(reply.refused or "no port")
+            return None
+        host, _ = split_server(conn.address)
+        try:
+            return await asyncio.to_thread(_connect, host, reply.port, reply.ticket, deadline)
+        except (OSError, WireError) as e:
+            self._refuse(f"cannot use port {reply.port}: {e}")
+            return None
+
+    async def __call__(
+        self, keys: bytes, timeout: float
+    ) -> AsyncIterator[tuple[int, memoryview | None]]:
+        """Stream the blocks of ``keys`` (a BlockSource): bulk when available, else gRPC."""
+        deadline = time.monotonic() + timeout
+        n = len(keys) // KEY_BYTES
+        info = self._conn.info
+        assert info is not None
+        tiers, limit = len(info.tier_names), info.limits.max_block_bytes
+        pool = self._conn.pool
+        sock: socket.socket | None = None
+        first: memoryview | None = None
+        # An idle socket may have died with a restarted server: one fresh try then.
+        for reused in (True, False):
+            sock = self._idle.pop() if reused and self._idle else None
+            if sock is None:
+                if not self.available:
+                    break
+                try:
+                    sock = await self._open(deadline)
+                except OSError as e:  # the deadline passed while connecting
+                    raise TransportError(f"bulk stream: {e}") from e
+                if sock is None:
+                    break
+                reused = False
+            try:
+                await asyncio.to_thread(_send, sock, encode_get(keys), deadline)
+                if n:
+                    first = await asyncio.to_thread(_receive, sock, pool, tiers, limit, 0, deadline)
+                break
+            except (OSError, WireError) as e:
+                _discard(sock)
+                sock = None
+                if not reused:
+                    raise TransportError(f"bulk stream: {e}") from e
+        if sock is None:
+            self.grpc_calls += 1
+            blocks = self._conn.grpc_blocks(keys, timeout)
+            try:
+                async for item in blocks:
+                    yield item
+            finally:
+                await blocks.aclose()  # type: ignore[attr-defined]  # an async generator
+            return
+        clean = False
+        try:
+            for index in range(n):
+                blob = (
+                    first
+                    if index == 0
+                    else await asyncio.to_thread(
+                        _receive, sock, pool, tiers, limit, index, deadline
+                    )
+                )
+                if blob is not None:
+                    self.bulk_blocks += 1
+                yield index, blob
+            clean = True
+        except (OSError, WireError) as e:
+            raise TransportError(f"bulk stream: {e}") from e
+        finally:
+            if clean and len(self._idle) < _MAX_IDLE:
+                self._idle.append(sock)
+            else:
+                _discard(sock)
+
+    async def put_blocks(
+        self, blobs: Sequence[tuple[bytes, BytesLike]], timeout: float
+    ) -> pb.PutReply | None:
+        """Store one Put stream's ``(key, blob)`` pairs over the bulk stream: the server's
+        reply, or None when the stream is not available (the caller uses gRPC).
+
+        Raises TransportError when the stream breaks or the server refuses the PUT.
+        """
+        deadline = time.monotonic() + timeout
+        # An idle socket may have died with a restarted server: one fresh try then. A
+        # PUT sent again is harmless (the server stores nothing before the last block,
+        # and a block it has answers ALREADY_PRESENT).
+        for reused in (True, False):
+            sock = self._idle.pop() if reused and self._idle else None
+            if sock is None:
+                if not self.available:
+                    return None
+                try:
+                    sock = await self._open(deadline)
+                except OSError as e:  # the deadline passed while connecting
+                    raise TransportError(f"bulk stream: {e}") from e
+                if sock is None:
+                    return None
+                reused = False
+            try:
+                reply = await asyncio.to_thread(_put, sock, blobs, deadline)
+            except (OSError, WireError) as e:
+                _discard(sock)
+                if not reused:
+                    raise TransportError(f"bulk stream: {e}") from e
+                continue
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append(sock)
+            else:
+                _discard(sock)
+            self.bulk_puts += 1
+            return reply
+        return None  # pragma: no cover - the fresh try returns or raises
+
+    def close(self) -> None:
+        """Close the idle sockets."""
+        idle, self._idle = self._idle, []
+        for sock in idle:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def _discard(sock: socket.socket) -> None:
+    """Close a socket a call gave up on; the shutdown first wakes a worker thread still
+    blocked in recv_into on it (a cancelled call does not wait for that thread)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _remaining(deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("deadline exceeded")
+    return remaining
+
+
+def _connect(host: str, port: int, ticket: bytes, deadline: float) -> socket.socket:
+    """Worker thread: connect, present the ticket, wait for the welcome."""
+    sock = socket.create_connection((host, port), timeout=_remaining(deadline))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _send(sock, hello(ticket), deadline)
+        welcome = bytearray(len(MAGIC))
+        _recv_into(sock, memoryview(welcome), deadline)
+        if welcome != MAGIC:
+            raise WireError("the bulk listener did not welcome the ticket")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _send(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
+    sock.settimeout(_remaining(deadline))
+    sock.sendall(data)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` from ``sock`` (blocking, within the deadline)."""
+    got, n = 0, view.nbytes
+    while got < n:
+        sock.settimeout(_remaining(deadline))
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise WireError(f"the server closed the bulk stream after {got} of {n} bytes")
+        got += k
+
+
+def _entry(sock: socket.socket, request: str, deadline: float) -> tuple[int, int]:
+    """The next ENTRY's (code, size); an ERROR in its place raises WireError with the
+    server's message."""
+    head = bytearray(ENTRY.size)
+    _recv_into(sock, memoryview(head), deadline)
+    code, size = ENTRY.unpack(head)
+    if code == ERROR_CODE:
+        message = bytearray(min(size, 4096))
+        _recv_into(sock, memoryview(message), deadline)
+        raise WireError(f"the server refused the {request}: {message.decode(errors='replace')}")
+    return code, size
+
+
+def _put(
+    sock: socket.socket, blobs: Sequence[tuple[bytes, BytesLike]], deadline: float
+) -> pb.PutReply:
+    """Worker thread: send one PUT, then read its reply."""
+    _send(sock, encode_put(len(blobs)), deadline)
+    for key, blob in blobs:
+        view = memoryview(blob).cast("B")
+        _send(sock, BLOCK.pack(view.nbytes, key), deadline)
+        _send(sock, view, deadline)
+    code, size = _entry(sock, "PUT", deadline)
+    if code != PUT_REPLY_CODE:
+        raise WireError(f"bulk PUT reply: code {code}, expected {PUT_REPLY_CODE}")
+    if size > _MAX_REPLY_BYTES:
+        raise WireError(f"bulk PUT reply: {size} bytes, over {_MAX_REPLY_BYTES}")
+    data = bytearray(size)
+    _recv_into(sock, memoryview(data), deadline)
+    try:
+        return pb.PutReply.FromString(bytes(data))
+    except DecodeError as e:
+        raise WireError(f"bulk PUT reply: not a PutReply: {e}") from e
+
+
+def _receive(
+    sock: socket.socket, pool: BufferPool, tiers: int, limit: int, index: int, deadline: float
+) -> memoryview | None:
+    """Worker thread: one ENTRY and its block, received into a pooled buffer."""
+    code, size = _entry(sock, "GET", deadline)
+    check_entry(code, size, tiers, limit, index)
+    if not code:
+        return None
+    buffer = pool.take(size)
+    _recv_into(sock, buffer, deadline)
+    return buffer
