@@ -240,12 +240,13 @@ def _build(config: dict[str, Any]) -> Any:
     )
 
 
-def _logprobs(entries: Any, cached: int = 0) -> list[dict[str, float] | None] | None:
-    """Token -> logprob per position; None where vLLM computed nothing (``<= cached``).
+def _logprobs(entries: Any, cached: int = -1) -> list[dict[str, float] | None] | None:
+    """Token -> logprob per position; None where vLLM computed nothing.
 
-    Entry ``j`` is the distribution of token ``j`` given the tokens before it, computed at
-    position ``j - 1``: with ``cached`` tokens read from a cache the first one computed is
-    ``cached + 1``.
+    For prompt logprobs, entry ``j`` is the distribution of token ``j`` given the tokens
+    before it, computed at position ``j - 1``: with ``cached`` tokens read from a cache the
+    first one computed is ``cached + 1`` (entries up to ``cached`` are None). Sampled
+    logprobs (one entry per generated token) pass ``cached=-1``: all of them are real.
     """
     if entries is None:
         return None

@@ -1,6 +1,6 @@
 """``make demo`` end to end: a real server, two real vLLM engines, the seed's scenario.
 
-Runs ``examples/demo_vllm.py --quick`` (a shorter report, one timing run) and reads what
+Runs ``examples/demo_vllm.py --quick`` (a shorter report, shorter answers) and reads what
 it printed; a second run is interrupted like Ctrl-C in a terminal. Each runs in a session
 of its own, and afterwards no process of that session may be left (the server, the two
 engine processes and vLLM's own engine-core and worker processes below them).
