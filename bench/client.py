@@ -35,7 +35,6 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,23 +56,12 @@ from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import cache_server
+from _harness import best_of, cache_server
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 PAGE = 16  # tokens per paged-cache block (vLLM's default)
 PREFIX_BLOCK = 256
-
-
-def best_of(reps: int, run: Callable[[], object]) -> float:
-    """The fastest of ``reps`` timed runs of ``run`` (after one untimed warm-up)."""
-    run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def paged_target(tokens: int) -> PagedKV:

@@ -28,25 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from connector_prompts import BLOCK, IM_START, PIP_FACTS
 from engine_proc import EngineFactory
 from redis_procs import free_ports
 from server_procs import CacheServerProc
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 128  # vLLM's CPU block size
-IM_START = 1  # SmolLM2's <|im_start|>: every chat message starts with it
 LAYERS = 30
-SYSTEM = (
-    "You are Pip, the customer assistant of Northern Lines, a regional rail company. "
-    "Answer in one or two short sentences. Facts you may use: the day pass costs 14 euros "
-    "and is valid until 4 am the next morning; bikes travel free outside the rush hours "
-    "of 7 to 9 am and 4 to 6 pm; the night train to Tromso leaves at 22:40 from platform "
-    "3; lost property is kept for 30 days at the central station office, open 8 am to 8 "
-    "pm; refunds for delays over 60 minutes are 50 percent of the fare, claimed online "
-    "within 14 days; dogs travel for half the child fare; the quiet carriage is always "
-    "coach C; seat reservations close 15 minutes before departure. "
-) * 2
+SYSTEM = PIP_FACTS * 2
 REPORT = " ".join(
     f"Incident {i}: on line {i % 7 + 1} the {['morning', 'noon', 'evening'][i % 3]} train "
     f"from {['Bodo', 'Narvik', 'Alta', 'Harstad'][i % 4]} ran {5 + 3 * i} minutes late "
