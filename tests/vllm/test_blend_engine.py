@@ -54,7 +54,14 @@ LOGPROB_TOL = 2e-4  # fp32 rounding over 30 layers (measured 3e-5); a wrong row 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    proc = CacheServerProc(Path(tmp_path_factory.mktemp("server")), free_ports(1)[0])
+    # fp32 KV of SmolLM2 is 45 KiB a token, stored exact and as chunks: the scenario
+    # stores ~2500 tokens' worth. The default 64 MiB tier evicted the system prompt's
+    # chunks before the last test whenever no engine had stored them again.
+    proc = CacheServerProc(
+        Path(tmp_path_factory.mktemp("server")),
+        free_ports(1)[0],
+        tiers=("cpu://?capacity=512MiB&pinned=no",),
+    )
     proc.start()
     yield proc
     proc.kill()

@@ -1,0 +1,19 @@
+"""The rates the vLLM connector's blend cost model learns from the workers' step reports."""
+
+from __future__ import annotations
+
+from test_vllm_halves import _identity
+
+from nopecache.client.adapters.vllm_config import ConnectorConfig
+from nopecache.client.adapters.vllm_meta import StepReport
+from nopecache.client.adapters.vllm_scheduler import SchedulerSide
+
+
+def test_prefill_rate_sums_the_forward_times_of_successive_steps() -> None:
+    config = ConnectorConfig.from_extra_config({"url": "nopecache://127.0.0.1:1"})
+    side = SchedulerSide(config, _identity(), None)
+    for _ in range(4):  # four steps of 100 tokens, half a second each: 200 tokens/s
+        side.on_report(StepReport(computed_tokens=100, forward_seconds=0.5))
+    assert side.totals.report.computed_tokens == 400
+    assert side.totals.report.forward_seconds == 2.0
+    assert side._prefill_rate() == 200.0
