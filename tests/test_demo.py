@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from demo_output import answer_after, interrupt_after, summary
 
 pytestmark = pytest.mark.slow
 
@@ -35,23 +34,10 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
-def _summary(stdout: str) -> dict[str, str]:
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("DEMO "), stdout
-    return dict(item.split("=", 1) for item in last.split()[1:])
-
-
 def _pid(pattern: str, stdout: str) -> int:
     found = re.search(pattern, stdout)
     assert found, f"no {pattern!r} in:\n{stdout}"
     return int(found.group(1))
-
-
-def _answer_after(stdout: str, header: str) -> str:
-    """The quoted answer printed on the lines after ``header``."""
-    found = re.search(re.escape(header) + r"\n((?:    .*\n)+)", stdout)
-    assert found, f"no {header!r} in:\n{stdout}"
-    return " ".join(line.strip() for line in found.group(1).splitlines())
 
 
 def test_demo_quick_runs_end_to_end_and_stops_everything() -> None:
@@ -63,29 +49,28 @@ def test_demo_quick_runs_end_to_end_and_stops_everything() -> None:
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    summary = _summary(out.stdout)
-    assert summary["reused_exact"] == "0"  # the report comes first: no prefix hit
-    assert summary["reused_pi"] == str(SYSTEM_AND_HEADER_TOKENS)
+    found = summary(out.stdout)
+    assert found["reused_exact"] == "0"  # the report comes first: no prefix hit
+    assert found["reused_pi"] == str(SYSTEM_AND_HEADER_TOKENS)
     # The default policy recomputes some of the moved tokens, not all of them.
-    assert 0 < int(summary["recomputed_last_layer"]) < SYSTEM_AND_HEADER_TOKENS
-    assert 0.0 < float(summary["recompute_fraction"]) < 1.0
-    assert int(summary["prefill_cached_ms"]) > 0
-    assert int(summary["prefill_nocache_ms"]) > 0
-    assert summary["same_answer"] in ("yes", "no")
+    assert 0 < int(found["recomputed_last_layer"]) < SYSTEM_AND_HEADER_TOKENS
+    assert 0.0 < float(found["recompute_fraction"]) < 1.0
+    assert int(found["prefill_cached_ms"]) > 0
+    assert int(found["prefill_nocache_ms"]) > 0
+    assert found["same_answer"] in ("yes", "no")
     # Engine 1 read its system prompt: the persona's name comes from there.
-    assert "Pip" in _answer_after(out.stdout, "  answer:")
+    assert "Pip" in answer_after(out.stdout, "  answer:")
     for header in ("  answer with the cache:", "  answer without the cache:"):
-        assert len(_answer_after(out.stdout, header)) > 2  # more than the quotes
+        assert len(answer_after(out.stdout, header)) > 2  # more than the quotes
     assert "[engine 1] loading the model from" in out.stdout  # load progress shown
     assert "[engine 2] lookup + fetch: 0 exact-prefix and 298" in out.stdout
-    server_pid = int(summary["server_pid"])
+    server_pid = int(found["server_pid"])
     assert f"server stopped (pid {server_pid}, exit status 0)" in out.stdout
-    pids = [server_pid, *(int(p) for p in summary["engine_pids"].split(","))]
+    pids = [server_pid, *(int(p) for p in found["engine_pids"].split(","))]
     assert [pid for pid in pids if _alive(pid)] == []
 
 
 def test_demo_interrupted_stops_the_server() -> None:
-    # A terminal's Ctrl-C sends SIGINT to the whole foreground process group.
     proc = subprocess.Popen(
         [sys.executable, "-u", str(DEMO), "--quick"],
         stdout=subprocess.PIPE,
@@ -94,21 +79,7 @@ def test_demo_interrupted_stops_the_server() -> None:
         cwd=ROOT,
         start_new_session=True,
     )
-    try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "[engine 1] pid" in line:
-                break
-        time.sleep(1.0)  # inside the engine's model load
-        os.killpg(proc.pid, signal.SIGINT)
-        rest, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    stdout = "".join(lines) + rest
+    stdout, err = interrupt_after(proc, "[engine 1] pid", 1.0)  # inside the model load
     assert proc.returncode == 130, stdout + err
     assert "demo interrupted; server and engines stopped" in err
     server_pid = _pid(r"server pid (\d+) listening", stdout)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from demo_output import answer_after, interrupt_after, summary
 
 pytestmark = pytest.mark.slow
 
@@ -50,19 +51,6 @@ def _gone(sid: int, timeout_s: float = 20.0) -> list[int]:
     return left
 
 
-def _summary(stdout: str) -> dict[str, str]:
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("DEMO "), stdout
-    return dict(item.split("=", 1) for item in last.split()[1:])
-
-
-def _answer_after(stdout: str, header: str) -> str:
-    """The quoted answer printed on the lines after ``header``."""
-    found = re.search(re.escape(header) + r"\n((?:    .*\n)+)", stdout)
-    assert found, f"no {header!r} in:\n{stdout}"
-    return " ".join(line.strip() for line in found.group(1).splitlines())
-
-
 def _start(model_dir: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-u", str(DEMO), "--quick", "--model", model_dir],
@@ -84,44 +72,29 @@ def test_demo_reuses_the_system_prompt_behind_the_report(model_dir: str) -> None
             proc.wait()
     assert proc.returncode == 0, out + err
     assert _gone(proc.pid) == []
-    summary = _summary(out)
-    assert summary["reused_exact"] == "0"  # the report comes first: no prefix hit
+    found = summary(out)
+    assert found["reused_exact"] == "0"  # the report comes first: no prefix hit
     # The claim runs from 0 to a block boundary inside the system prompt: the report's
     # tokens are the loop's misses, the rest of the claim the reused system prompt.
-    pi, misses = int(summary["reused_pi"]), int(summary["blend_misses"])
+    pi, misses = int(found["reused_pi"]), int(found["blend_misses"])
     assert misses == REPORT_TOKENS
     assert (pi + misses) % BLOCK == 0
     assert pi >= 4 * BLOCK
     # first_k(0.15): the share recomputed is the budget, rounded once (see recompute.py).
-    assert abs(float(summary["recompute_fraction"]) - 0.15) <= 1 / (2 * pi) + 5e-4
-    assert int(summary["ttft_cached_ms"]) > 0
-    assert int(summary["ttft_nocache_ms"]) > 0
-    assert summary["same_answer"] in ("yes", "no")
+    assert abs(float(found["recompute_fraction"]) - 0.15) <= 1 / (2 * pi) + 5e-4
+    assert int(found["ttft_cached_ms"]) > 0
+    assert int(found["ttft_nocache_ms"]) > 0
+    assert found["same_answer"] in ("yes", "no")
     # Engine 1 read its system prompt: the persona's name comes from there.
-    assert "Pip" in _answer_after(out, "  answer:")
+    assert "Pip" in answer_after(out, "  answer:")
     for header in ("  answer with the cache:", "  answer without the cache:"):
-        assert len(_answer_after(out, header)) > 2  # more than the quotes
-    assert f"server stopped (pid {summary['server_pid']}, exit status 0)" in out
+        assert len(answer_after(out, header)) > 2  # more than the quotes
+    assert f"server stopped (pid {found['server_pid']}, exit status 0)" in out
 
 
 def test_demo_interrupted_stops_server_and_engines(model_dir: str) -> None:
-    # A terminal's Ctrl-C sends SIGINT to the whole foreground process group.
     proc = _start(model_dir)
-    try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "[engine 2] pid" in line:
-                break
-        time.sleep(3.0)  # inside vLLM's start-up
-        os.killpg(proc.pid, signal.SIGINT)
-        rest, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    stdout = "".join(lines) + rest
+    stdout, err = interrupt_after(proc, "[engine 2] pid", 3.0)  # inside vLLM's start-up
     assert proc.returncode == 130, stdout + err
     assert "demo interrupted; server and engines stopped" in err
     assert re.search(r"server stopped \(pid \d+", stdout), stdout
