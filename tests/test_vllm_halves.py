@@ -132,9 +132,10 @@ def test_second_engine_loads_the_first_ones_blocks_bit_exact(pair: Any) -> None:
     a, b = pair
     first = a.step(_request("r1", PROMPT), [3, 0, 2, 1], 0)
     assert first.claimed == 0
-    assert [len(s.tokens) for s in first.plan.saves] == [12]  # whole blocks only
+    assert [len(s.tokens) for s in first.plan.saves] == [14]  # the partial block too
     stored = a.scheduler.take_stored()
-    assert [len(s.block_hashes) for s in stored] == [3]
+    assert [len(s.block_hashes) for s in stored] == [3]  # vLLM hashes whole blocks only
+    assert [len(s.token_ids) for s in stored] == [12]
 
     second = b.step(_request("r2", [*PROMPT[:12], 7, 8, 9, 10, 11]), [5, 6, 7, 8, 9], 0)
     assert second.claimed == 12
@@ -143,6 +144,22 @@ def test_second_engine_loads_the_first_ones_blocks_bit_exact(pair: Any) -> None:
         assert torch.equal(b.cache(layer)[:, [5, 6, 7]], a.cache(layer)[:, [3, 0, 2]])
     report = b.worker.take_report()
     assert report is not None and report.loaded_exact_tokens == 12
+
+
+def test_the_partial_last_block_is_stored_too(pair: Any) -> None:
+    # A message that ends a prompt is reusable whole only if its last, partial block is
+    # stored: the report-before-the-system-prompt case reuses the system prompt's tail.
+    a, b = pair
+    a.step(_request("r1", PROMPT), [3, 0, 2, 1], 0)
+    plan = b.client.lookup(PROMPT)
+    assert plan.prefix_end == 12  # exact blocks are whole; the tail is in the chunk
+    assert max(hit.target.end for hit in plan.hits) == 14
+    fetched = b.client.fetch(plan, PROMPT)
+    assert bool(fetched.mask.all())
+    for layer in range(LAYERS):  # positions 12, 13: the first two slots of A's block 1
+        assert torch.equal(fetched.v[layer, 12:], a.cache(layer)[1, 1, :2])
+        # K went through nope form (un-rotated, stored, re-rotated): fp32 rounding.
+        assert torch.allclose(fetched.k[layer, 12:], a.cache(layer)[0, 1, :2], atol=1e-5)
 
 
 def test_claims_stop_before_the_last_token_and_at_vllms_cache(pair: Any) -> None:

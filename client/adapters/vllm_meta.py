@@ -57,7 +57,8 @@ class LoadSpec:
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Store the KV of ``tokens`` (whole blocks from position 0) from ``block_ids``."""
+    """Store the KV of ``tokens`` (from position 0; the last block may be partial) from
+    ``block_ids``."""
 
     req_id: str
     tokens: tuple[int, ...]

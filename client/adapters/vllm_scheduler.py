@@ -13,8 +13,10 @@ With ``pi_reuse="blend"`` the whole prompt is looked up and the claim reaches th
 the last hit anywhere in it, misses included (``vllm_blend.py``), when the cost model
 says it pays; the worker then runs the layer loop over the range.
 
-Saves. When a request's prompt has been prefilled, its whole blocks are stored from
-position 0 (the client skips blocks the servers already hold). KV that came from a
+Saves. When a request's prompt has been prefilled, its KV is stored from position 0,
+the partial last block included (the client skips blocks the servers already hold; a
+message that ends the prompt is then reusable whole, at any position). KV events name
+the whole blocks only, the ones vLLM hashes. KV that came from a
 position-independent hit is approximate, and so is every later token's KV (it attended
 to it): such a request stores only the blocks before its first position-independent
 token (blend: before the first position the layer loop computes), so the exact cache
@@ -381,17 +383,20 @@ class SchedulerSide:
         if tracked.saved or tracked.computed + num_scheduled < len(tracked.tokens):
             return None
         tracked.saved = True
-        end = len(tracked.tokens)
+        end = len(tracked.tokens)  # the partial last block too: its KV is the prompt's
         if tracked.approximate_from is not None:
             end = min(end, tracked.approximate_from)
-        end -= end % bs
+            end -= end % bs
         if end <= 0 or not self.config.save:
             return None
-        hashes = tuple(getattr(tracked.request, "block_hashes", ())[: end // bs])
+        # vLLM hashes whole blocks only: the KV event announces those.
+        whole = end // bs
+        hashes = tuple(getattr(tracked.request, "block_hashes", ())[:whole])
         tokens = tracked.tokens[:end]
-        self._events.append(StoredBlocks(hashes, tokens, bs))
+        if whole:
+            self._events.append(StoredBlocks(hashes, tokens[: whole * bs], bs))
         self._advertised.update(hashes)
-        return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: end // bs]))
+        return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: -(-end // bs)]))
 
     def build_step(self, scheduler_output: Any) -> StepPlan:
         """The loads and saves of this step; resets the pending loads."""

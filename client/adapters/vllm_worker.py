@@ -291,12 +291,14 @@ class WorkerSide:
     def _save_one(self, spec: SaveSpec) -> None:
         assert self.client is not None and self.layout is not None
         n = len(spec.tokens)
-        shape = (self.model.num_layers, n, self.model.num_kv_heads, self.model.head_dim)
+        rows = len(spec.block_ids) * self.model.block_size  # whole blocks, the last partial
+        shape = (self.model.num_layers, rows, self.model.num_kv_heads, self.model.head_dim)
         k = torch.empty(shape, dtype=self.model.dtype)
         v = torch.empty(shape, dtype=self.model.dtype)
         ids = torch.tensor(spec.block_ids, dtype=torch.int64)
         for layer, cache in enumerate(self.caches):
             self.layout.read_blocks_into(cache, ids, k[layer], v[layer])
+        k, v = k[:, :n], v[:, :n]
         try:
             report = self.client.store(
                 spec.tokens,
