@@ -35,9 +35,9 @@ SYSTEM_PROMPT = (
     "- Wi-Fi network name on board: LarkspurGuest, no password.\n"
     "Never invent a policy number: if asked, quote RP-7342 exactly."
 )
-# vLLM's CPU build caches whole 128-token blocks and claims up to the last whole block it
-# holds, so the vLLM demo's system prompt goes on with a station guide (~1.1k tokens in
-# all): most of engine 2's prompt is then reusable, as with a real agent's instructions.
+# vLLM's CPU build claims whole 128-token blocks of the prompt, so the vLLM demo's system
+# prompt goes on with a station guide (~1k tokens in all): most of engine 2's prompt is
+# then reusable, as with a real agent's instructions.
 STATION_GUIDE = (
     "Station guide for Pip.\n\n"
     "Larkspur Central has twelve platforms. Platforms 1 to 4 serve the coast line to "

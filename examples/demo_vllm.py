@@ -14,8 +14,8 @@ examples/demo_vllm.py [--quick]``) runs, on the CPU::
 1. Both engines start (side by side). Engine 2 answers its prompt while the server holds
    nothing: time to first token and answer without the cache (its lookup misses).
 2. Engine 1 answers its chat; its KV lands on the server.
-3. Engine 2 answers the same prompt again: the connector claims up to the system
-   prompt's last whole block, places the system prompt's blocks re-rotated to their new
+3. Engine 2 answers the same prompt again: the connector claims up to the last block
+   boundary inside the system prompt, places the system prompt's KV re-rotated to its new
    positions, runs the layer loop for the report (misses) and the policy's share of the
    reused tokens, and vLLM computes the rest. TTFT counts lookup, fetch and all that.
 
