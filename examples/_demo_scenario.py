@@ -14,6 +14,7 @@ has the same token ids in both prompts and its chunks the same content keys.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -171,3 +172,19 @@ def scenario_prompt(
         tokenizer,
         [("uploaded report", "user", report), system_message, ("question", "user", question)],
     )
+
+
+def print_answers(with_cache: str, without_cache: str) -> bool:
+    """Print engine 2's answers with and without the cache; True when they are the same."""
+    same = with_cache == without_cache
+    for label, answer in (("with", with_cache), ("without", without_cache)):
+        print(f"  answer {label} the cache:")
+        print(wrap_answer(answer))
+    print(f"  same answer with and without the cache: {'yes' if same else 'NO'}")
+    print("=" * 100)
+    return same
+
+
+def wrap_answer(text: str) -> str:
+    """An answer quoted and wrapped, indented under its label."""
+    return textwrap.fill(repr(text), width=96, initial_indent="    ", subsequent_indent="    ")

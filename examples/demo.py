@@ -24,7 +24,6 @@ import multiprocessing
 import signal
 import sys
 import tempfile
-import textwrap
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -32,6 +31,7 @@ from types import FrameType
 from typing import NoReturn
 
 from _demo_engine import EngineJob, EngineReport, engine_main
+from _demo_scenario import print_answers, wrap_answer
 from _demo_server import DemoError, embedded_server
 
 _ENGINE_TIMEOUT_S = 900.0
@@ -93,16 +93,11 @@ def _layer_runs(per_layer: Sequence[int]) -> str:
     return ", ".join(parts) if parts else "none"
 
 
-def _wrap(text: str) -> str:
-    return textwrap.fill(repr(text), width=96, initial_indent="    ", subsequent_indent="    ")
-
-
 def print_summary(first: EngineReport, second: EngineReport) -> bool:
     """Print what the cache did for engine 2; True when engine 2's answer is unchanged."""
     parts = ", ".join(f"{name} {n}" for name, n in second.segment_tokens)
     saved = 1 - second.prefill_cached_s / second.prefill_nocache_s
     saved_with_fetch = 1 - (second.prefill_cached_s + second.fetch_s) / second.prefill_nocache_s
-    same = second.answer == second.nocache_answer
     print()
     print("=" * 100)
     print(
@@ -110,7 +105,7 @@ def print_summary(first: EngineReport, second: EngineReport) -> bool:
         f"{first.stored_blocks} blocks"
     )
     print("  answer:")
-    print(_wrap(first.answer))
+    print(wrap_answer(first.answer))
     print(f"engine 2 (pid {second.pid}): {second.prompt_tokens} prompt tokens ({parts})")
     print(f"  reused, exact prefix:          {second.reused_exact:5d} tokens  (lossless)")
     print(
@@ -136,13 +131,7 @@ def print_summary(first: EngineReport, second: EngineReport) -> bool:
         f"  prefill time the cache saved:  {saved_s * 1e3:7.0f} ms  beside lookup + fetch "
         f"{second.fetch_s * 1e3:.0f} ms: net {(saved_s - second.fetch_s) * 1e3:+.0f} ms"
     )
-    print("  answer with the cache:")
-    print(_wrap(second.answer))
-    print("  answer without the cache:")
-    print(_wrap(second.nocache_answer))
-    print(f"  same answer with and without the cache: {'yes' if same else 'NO'}")
-    print("=" * 100)
-    return same
+    return print_answers(second.answer, second.nocache_answer)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> NoReturn:

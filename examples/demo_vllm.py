@@ -33,7 +33,6 @@ import os
 import signal
 import sys
 import tempfile
-import textwrap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,7 +44,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # The engine processes are the ones the vLLM tests and benchmarks drive.
 sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
 
-from _demo_scenario import LONG_SYSTEM_PROMPT, ChatPrompt, scenario_prompt  # noqa: E402
+from _demo_scenario import (  # noqa: E402
+    LONG_SYSTEM_PROMPT,
+    ChatPrompt,
+    print_answers,
+    scenario_prompt,
+    wrap_answer,
+)
 from _demo_server import DemoError, embedded_server  # noqa: E402
 from engine_proc import EngineConfig, EngineError, EngineProc, stop_all  # noqa: E402
 from server_procs import wait_stored  # noqa: E402
@@ -138,10 +143,6 @@ def _sizes(prompt: ChatPrompt) -> str:
     return f"{len(prompt.tokens)} tokens = {parts}"
 
 
-def _wrap(text: str) -> str:
-    return textwrap.fill(repr(text), width=96, initial_indent="    ", subsequent_indent="    ")
-
-
 def play(
     model: str, workdir: Path, args: argparse.Namespace, tokenizer: Any
 ) -> tuple[dict[str, Any], int]:
@@ -185,12 +186,11 @@ def summary(
     misses = int(c["blend_miss_tokens"])
     share = c["recomputed_token_layers"] / c["pi_token_layers"] if c["pi_token_layers"] else 0.0
     vllm_computed = len(prompt_2.tokens) - exact - pi - misses
-    same = warm.answer == cold.answer
     print()
     print("=" * 100)
     print(f"engine 1: {len(prompt_1.tokens)} prompt tokens, system prompt at position 0")
     print("  answer:")
-    print(_wrap(answer_1))
+    print(wrap_answer(answer_1))
     parts = ", ".join(f"{name} {n}" for name, n in prompt_2.sizes())
     print(f"engine 2: {len(prompt_2.tokens)} prompt tokens ({parts})")
     print(f"  reused, exact prefix:          {exact:5d} tokens  (lossless)")
@@ -209,12 +209,7 @@ def summary(
         f"  time to first token, cache:    {warm.ttft_s * 1e3:7.0f} ms  "
         f"(lookup and fetch included; {speedup:.2f}x)"
     )
-    print("  answer with the cache:")
-    print(_wrap(warm.answer))
-    print("  answer without the cache:")
-    print(_wrap(cold.answer))
-    print(f"  same answer with and without the cache: {'yes' if same else 'NO'}")
-    print("=" * 100)
+    same = print_answers(warm.answer, cold.answer)
     return {
         "reused_exact": exact,
         "reused_pi": pi,
