@@ -23,17 +23,15 @@ def _one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
     [list(range(7)), [0, 2, 3, 9, 10, 11, 15, 19], [5, 19], [19]],
     ids=["leading", "scattered", "two", "last"],
 )
-def test_blocks_of_queries_equal_one_masked_call(block: int, positions: list[int]) -> None:
+def test_blocks_of_queries_equal_one_masked_call(
+    block: int, positions: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch.manual_seed(0)
     pos = torch.tensor(positions)
     q = torch.randn(1, 4, len(positions), 16)
     k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
-    original = selective.QUERY_BLOCK
-    selective.QUERY_BLOCK = block
-    try:
-        got = selective._attend_up_to(q, k, v, pos, SCALE)
-    finally:
-        selective.QUERY_BLOCK = original
+    monkeypatch.setattr(selective, "QUERY_BLOCK", block)
+    got = selective._attend_up_to(q, k, v, pos, SCALE)
     want = _one_call(q, k, v, pos)
     assert got.shape == want.shape == (1, 4, len(positions), 16)
     assert torch.allclose(got, want, atol=1e-6, rtol=0)

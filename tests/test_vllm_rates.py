@@ -17,3 +17,11 @@ def test_prefill_rate_sums_the_forward_times_of_successive_steps() -> None:
     assert side.totals.report.computed_tokens == 400
     assert side.totals.report.forward_seconds == 2.0
     assert side._prefill_rate() == 200.0
+
+
+def test_the_workers_of_one_step_overlap_their_forwards() -> None:
+    one = StepReport(computed_tokens=100, forward_seconds=0.5, saved_tokens=3)
+    other = StepReport(computed_tokens=100, forward_seconds=0.25, saved_tokens=4)
+    merged = one.add(other, same_step=True)
+    assert (merged.computed_tokens, merged.forward_seconds, merged.saved_tokens) == (200, 0.5, 7)
+    assert one.add(other).forward_seconds == 0.75

@@ -93,7 +93,7 @@ class NopecacheWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """The sum of two workers' reports."""
         assert isinstance(other, NopecacheWorkerMetadata)
-        return NopecacheWorkerMetadata(self.report.add(other.report))
+        return NopecacheWorkerMetadata(self.report.add(other.report, same_step=True))
 
 
 _WORKER_FIELDS = tuple(

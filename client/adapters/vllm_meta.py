@@ -95,12 +95,16 @@ class StepReport:
     blend_token_layers: int = 0  # token-layers the loop computed (misses included)
     failed_requests: list[str] = field(default_factory=list)
 
-    def add(self, other: StepReport) -> StepReport:
-        """This report plus ``other`` (a new object): sums, the longest forward, both lists."""
+    def add(self, other: StepReport, *, same_step: bool = False) -> StepReport:
+        """This report plus ``other`` (a new object): sums and both lists.
+
+        ``same_step``: the two are workers of one step, whose forwards overlap, so the
+        longest forward counts; successive steps' forward times sum.
+        """
         out = StepReport()
         for f in fields(StepReport):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "forward_seconds":
+            if same_step and f.name == "forward_seconds":
                 setattr(out, f.name, max(mine, theirs))
             else:
                 setattr(out, f.name, mine + theirs)

@@ -416,13 +416,9 @@ class SchedulerSide:
         """Fold the workers' account of a step into the totals and the cost model."""
         if report is None:
             return
-        total = self.totals.report.add(report)
-        # add() merges the workers of one step, whose forwards overlap (the longest counts);
-        # steps follow one another, so over steps the forward times sum. Their max would
-        # put a lifetime of tokens over one step's time and make vLLM's prefill look ever
-        # faster, until no blend claim paid.
-        total.forward_seconds = self.totals.report.forward_seconds + report.forward_seconds
-        self.totals.report = total
+        # Steps follow one another: their forward times sum (the longest of them would put
+        # a lifetime of tokens over one step's time, and no blend claim would pay).
+        self.totals.report = self.totals.report.add(report)
         if self.client is not None and report.computed_tokens and report.forward_seconds > 0:
             self.client.observe_prefill(report.computed_tokens, report.forward_seconds)
 
