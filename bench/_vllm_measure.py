@@ -1,6 +1,6 @@
 """What the vLLM benchmarks measure on an engine's logprobs: KL and top-1 against a reference.
 
-Logprobs come from ``tests/vllm/engine_proc.py`` as ``{token id (str): logprob}`` over an
+Logprobs come from ``tests/support/engine_proc.py`` as ``{token id (str): logprob}`` over an
 engine's top tokens at one position.
 """
 

@@ -50,9 +50,9 @@ from nopecache.client import (
     plan_reuse,
     prefix_chunks,
 )
-from nopecache.client.adapters.local_model import load_tokenizer
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
+from tests.support.local_model import load_tokenizer
 
 BLOCK = 16  # scheme A block size, and the run length that counts as "seen before"
 NAMESPACE = "bench"

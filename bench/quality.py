@@ -6,7 +6,7 @@ through the real ``CacheClient`` into a real cache server on loopback (``python 
 nopecache.cache_server``, CPU tier), cut into blocks by the client's own chunkers
 (16-token exact-prefix blocks, ~64-token content chunks per segment); the prompt is
 looked up and fetched back through the client and prefilled by the transformers adapter
-(``nopecache.client.adapters.hf``) with each recompute policy. The context is an
+(``nopecache.integrations.hf.adapter``) with each recompute policy. The context is an
 exact-prefix hit, the chunks are position-independent hits, the question is a miss.
 
 For each configuration (a policy, and the sink chunks cached on their own were computed
@@ -86,12 +86,12 @@ from _quality_set import FILLER, KINDS, PROMPTS, EvalPrompt, half
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from nopecache.client import CacheClient, ClientConfig
-from nopecache.client.adapters import recompute as rc
-from nopecache.client.adapters.hf import CacheClientSource, HFEngine
-from nopecache.client.adapters.hf_forward import PrefillOutput
-from nopecache.client.adapters.local_model import load_model, load_tokenizer
 from nopecache.client.cost import CostConfig
+from nopecache.integrations.hf.adapter import CacheClientSource, HFEngine
+from nopecache.integrations.hf.forward import PrefillOutput
 from nopecache.proto.block import StoredForm
+from nopecache.recompute import policies as rc
+from tests.support.local_model import load_model, load_tokenizer
 
 BUDGET = 0.15
 MAX_SHARE = 0.25

@@ -1,6 +1,6 @@
 """Reuse at any position inside vLLM: blend mode against no cache and against prefix mode.
 
-Run in the vLLM environment: ``.venv-vllm/bin/python bench/vllm_blend.py`` (``make bench``
+Run in the vLLM environment: ``.venv-vllm/bin/python bench/blend.py`` (``make bench``
 does). One nopecache server (the embedded default, CPU tier) on loopback and four vLLM
 processes (CPU build, SmolLM2-135M, bf16, one OpenMP thread each, vLLM's own prefix cache
 off, so every hit comes through the connector):
@@ -51,14 +51,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests"), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 from _blend_shapes import SHAPES, Message, Shape  # noqa: E402
 from _demo_scenario import chat_prompt  # noqa: E402
 from _vllm_measure import kl_top1  # noqa: E402
-from engine_proc import EngineConfig, EngineProc, stop_all  # noqa: E402
-from redis_procs import free_ports  # noqa: E402
-from server_procs import CacheServerProc, wait_stored  # noqa: E402
+
+from tests.support.engine_proc import EngineConfig, EngineProc, stop_all  # noqa: E402
+from tests.support.redis_procs import free_ports  # noqa: E402
+from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E402
 
 IM_START = 1  # SmolLM2's <|im_start|>: every chat message starts with it
 MAX_ANSWER = 24

@@ -43,12 +43,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 from _vllm_measure import kl_top1  # noqa: E402
-from engine_proc import EngineConfig, EngineProc, common_prefix  # noqa: E402
-from redis_procs import free_ports  # noqa: E402
-from server_procs import CacheServerProc, wait_stored  # noqa: E402
+
+from tests.support.engine_proc import EngineConfig, EngineProc, common_prefix  # noqa: E402
+from tests.support.redis_procs import free_ports  # noqa: E402
+from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E402
 
 IM_START = 1  # SmolLM2's <|im_start|>
 ROUNDS = 3

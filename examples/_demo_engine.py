@@ -29,12 +29,12 @@ from _demo_scenario import ChatPrompt, scenario_prompt
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from nopecache.client import CacheClient, ClientConfig
-from nopecache.client.adapters import recompute as rc
-from nopecache.client.adapters.hf import CacheClientSource, HFEngine, ReusedKV
-from nopecache.client.adapters.hf_forward import PrefillOutput
-from nopecache.client.adapters.local_model import load_model, load_tokenizer
 from nopecache.client.chunking import ContentChunker
+from nopecache.integrations.hf.adapter import CacheClientSource, HFEngine, ReusedKV
+from nopecache.integrations.hf.forward import PrefillOutput
 from nopecache.proto.block import StoredForm
+from nopecache.recompute import policies as rc
+from tests.support.local_model import load_model, load_tokenizer
 
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 NAMESPACE = "nopecache-demo"

@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 # The engine processes are the ones the vLLM tests and benchmarks drive.
-sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 from _demo_scenario import (  # noqa: E402
     LONG_SYSTEM_PROMPT,
@@ -52,10 +52,10 @@ from _demo_scenario import (  # noqa: E402
     wrap_answer,
 )
 from _demo_server import DemoError, embedded_server  # noqa: E402
-from engine_proc import EngineConfig, EngineError, EngineProc, stop_all  # noqa: E402
-from server_procs import wait_stored  # noqa: E402
 
-from nopecache.client.adapters.recompute import DEFAULT_BUDGET, DEFAULT_POLICY_NAME  # noqa: E402
+from nopecache.recompute.policies import DEFAULT_BUDGET, DEFAULT_POLICY_NAME  # noqa: E402
+from tests.support.engine_proc import EngineConfig, EngineError, EngineProc, stop_all  # noqa: E402
+from tests.support.server_procs import wait_stored  # noqa: E402
 
 IM_START = 1  # SmolLM2's <|im_start|>: each chat message is a segment
 # The transformers demo's second question, put so that SmolLM2-135M finds the form.

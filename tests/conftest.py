@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["redis_procs", "server_procs"]
+pytest_plugins = ["tests.support.redis_procs", "tests.support.server_procs"]
 
 # The interpreter must be chosen before any module defining a Triton kernel is imported.
 if not torch.cuda.is_available():
@@ -36,10 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# The vLLM tests need vLLM, which lives in its own environment (.venv-vllm); `make test`
-# runs them there (`make test-vllm`).
-# tests/ is on sys.path here, so tests/vllm itself is found as a namespace package named
-# vllm (no origin): only a real vLLM counts.
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin is None:
-    collect_ignore = ["vllm"]
+# The tests that run a real vLLM need vLLM, which lives in its own environment
+# (.venv-vllm); `make test` runs them there (`make test-vllm`).
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore = ["integrations/vllm/engine"]

@@ -25,29 +25,21 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kernels", "client", "proto", "cache_server")
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env(tmp: Path) -> dict[str, str]:
-    """The environment for the children: ``nopecache`` importable, no interpreter mode."""
+def _env() -> dict[str, str]:
+    """The environment for the children: the checkout importable, no interpreter mode."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    probe = subprocess.run(
-        [sys.executable, "-c", "import nopecache.kernels"], env=env, capture_output=True
-    )
-    if probe.returncode != 0:
-        tree = tmp / "nopecache"
-        tree.mkdir()
-        for name in PACKAGES:
-            (tree / name).symlink_to(ROOT / name)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp), env.get("PYTHONPATH")]))
+    # The folder is the import name: the checkout's root makes nopecache and tests importable.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
 def _gpu_test_files() -> list[str]:
     return sorted(
         str(p.relative_to(ROOT))
-        for p in (ROOT / "tests").glob("test_*.py")
+        for p in (ROOT / "tests").rglob("test_*.py")
         if "mark.gpu" in p.read_text()
     )
 
@@ -81,7 +73,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, triton {triton.__version__}, {gpus} x {device}", flush=True)
     with tempfile.TemporaryDirectory(prefix="nopecache-gpu-check-") as tmp_name:
         tmp = Path(tmp_name)
-        env = _env(tmp)
+        env = _env()
         junit = tmp / "junit.xml"
         files = _gpu_test_files()
         tests = subprocess.run(

@@ -1,1 +1,0 @@
-"""nopecache client.adapters."""

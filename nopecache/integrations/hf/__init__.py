@@ -1,0 +1,1 @@
+"""nopecache on transformers: the research harness for reuse-quality measurements."""

@@ -1,0 +1,299 @@
+"""The vLLM connector's settings and the model identity it derives from vLLM's own config.
+
+Users configure the connector with ``kv_connector_extra_config`` (a JSON object on
+``vllm serve --kv-transfer-config``)::
+
+    key          type   default      meaning
+    url          str    (required)   nopecache:// or nopecaches:// URL of the servers
+    pi_reuse     str    "off"        "off": exact prefixes only (lossless);
+                                     "contiguous": also claim position-independent hits
+                                     that tile the prompt right after the exact prefix;
+                                     "blend": claim up to the last hit anywhere in the
+                                     prompt and run the layer loop (blend.py) for
+                                     the misses and the policy's tokens
+    recompute_policy
+                 str    "first_k"    blend only: a policy factory of policies.py
+                                     (none, first_k, deviation, blend, taper, selective)
+    recompute_budget
+                 float  0.15         blend only: share of the reused position-independent
+                                     token-layers the policy recomputes, in [0, 1]
+    namespace    str    ""           salt separating workloads within one tenant
+    load         bool   true         look up and load cached KV
+    load_async   bool   false        fetch in the background while vLLM runs other
+                                     requests (the request waits in
+                                     WAITING_FOR_REMOTE_KVS); false: fetch before the
+                                     step's forward
+    save         bool   true         store the KV of every prefilled prompt
+    segment_token_ids
+                 list   []           token ids that start a segment (e.g. the id of
+                                     ``<|im_start|>``): each chat message is then
+                                     chunked from its own start, so a message that moves
+                                     (history truncated) keeps its keys; without them
+                                     content-defined chunks resynchronise only after
+                                     the first cut past the move
+
+Anything else, a wrong type or a bad value raises :class:`ConnectorConfigError` at
+start-up, naming the key. The model fingerprint (name, revision, layers, KV heads, head
+dim, KV dtype, RoPE spec) comes from vLLM's ``VllmConfig``, never from the user, so two
+engines share blocks exactly when they run the same model with the same KV dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from nopecache.client.config import ClientConfig
+from nopecache.client.errors import InvalidArgumentError, NopecacheError
+from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.kernels import RopeSpec
+from nopecache.proto.block import StoredForm
+from nopecache.recompute.policies import (
+    DEFAULT_BUDGET,
+    DEFAULT_POLICY_NAME,
+    POLICY_FACTORIES,
+    RecomputePolicy,
+    policy_by_name,
+)
+
+__all__ = [
+    "ConnectorConfig",
+    "ConnectorConfigError",
+    "ModelIdentity",
+    "PiReuse",
+    "UnsupportedEngineError",
+    "model_identity",
+]
+
+PiReuse = Literal["off", "contiguous", "blend"]
+_PI_REUSE: tuple[str, ...] = ("off", "contiguous", "blend")
+_EXTRA = "kv_connector_extra_config"
+
+
+class ConnectorConfigError(NopecacheError, ValueError):
+    """A ``kv_connector_extra_config`` entry is missing, unknown or has a bad value."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{_EXTRA}[{key!r}]: {reason}")
+        self.key = key
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[ConnectorConfigError], tuple[str, str]]:
+        return (type(self), (self.key, self.reason))
+
+
+class UnsupportedEngineError(NopecacheError, TypeError):
+    """The engine's model, parallelism or KV cache is one the connector cannot serve."""
+
+
+def _bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConnectorConfigError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _str(key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConnectorConfigError(key, f"must be a string, got {value!r}")
+    return value
+
+
+def _token_ids(key: str, value: object) -> frozenset[int]:
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise ConnectorConfigError(key, f"must be a list of token ids (ints >= 0), got {value!r}")
+    return frozenset(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """The connector's validated settings (see the module docstring for each key)."""
+
+    client: ClientConfig
+    pi_reuse: PiReuse = "off"
+    namespace: str = ""
+    load: bool = True
+    load_async: bool = False
+    save: bool = True
+    segment_token_ids: frozenset[int] = frozenset()
+    recompute_policy: str = DEFAULT_POLICY_NAME
+    recompute_budget: float = DEFAULT_BUDGET
+
+    KEYS = (
+        "url",
+        "pi_reuse",
+        "namespace",
+        "load",
+        "load_async",
+        "save",
+        "segment_token_ids",
+        "recompute_policy",
+        "recompute_budget",
+    )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse and validate ``kv_connector_extra_config``; raises ConnectorConfigError."""
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ConnectorConfigError("*", f"must be a JSON object, got {type(extra).__name__}")
+        for key in extra:
+            if key not in cls.KEYS:
+                raise ConnectorConfigError(
+                    str(key), f"unknown key; the keys are {', '.join(cls.KEYS)}"
+                )
+        if "url" not in extra:
+            raise ConnectorConfigError("url", "is required (e.g. nopecache://127.0.0.1:50551)")
+        url = _str("url", extra["url"])
+        try:
+            client = ClientConfig.from_url(url)
+        except InvalidArgumentError as err:
+            raise ConnectorConfigError("url", str(err)) from None
+        pi_reuse = _str("pi_reuse", extra.get("pi_reuse", "off"))
+        if pi_reuse not in _PI_REUSE:
+            raise ConnectorConfigError(
+                "pi_reuse", f"must be one of {', '.join(_PI_REUSE)}, got {pi_reuse!r}"
+            )
+        for key in ("recompute_policy", "recompute_budget"):
+            if key in extra and pi_reuse != "blend":
+                raise ConnectorConfigError(
+                    key, f'applies to pi_reuse="blend" only (pi_reuse is {pi_reuse!r})'
+                )
+        policy = _str("recompute_policy", extra.get("recompute_policy", DEFAULT_POLICY_NAME))
+        if policy not in POLICY_FACTORIES:
+            raise ConnectorConfigError(
+                "recompute_policy",
+                f"must be one of {', '.join(POLICY_FACTORIES)}, got {policy!r}",
+            )
+        budget = extra.get("recompute_budget", DEFAULT_BUDGET)
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, int | float)
+            or not 0.0 <= float(budget) <= 1.0
+        ):
+            raise ConnectorConfigError(
+                "recompute_budget", f"must be a number in [0, 1] (e.g. 0.15), got {budget!r}"
+            )
+        return cls(
+            client=client,
+            pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
+            recompute_policy=policy,
+            recompute_budget=float(budget),
+            namespace=_str("namespace", extra.get("namespace", "")),
+            load=_bool("load", extra.get("load", True)),
+            load_async=_bool("load_async", extra.get("load_async", False)),
+            save=_bool("save", extra.get("save", True)),
+            segment_token_ids=_token_ids("segment_token_ids", extra.get("segment_token_ids", [])),
+        )
+
+    @property
+    def blend(self) -> bool:
+        """True in blend mode."""
+        return self.pi_reuse == "blend"
+
+    def policy(self) -> RecomputePolicy:
+        """The recompute policy blend mode runs."""
+        return policy_by_name(self.recompute_policy, self.recompute_budget)
+
+    def segments(self, tokens: Sequence[int]) -> list[int] | None:
+        """Segment starts of ``tokens`` (None: no segment tokens configured)."""
+        if not self.segment_token_ids:
+            return None
+        return [i for i, t in enumerate(tokens) if t in self.segment_token_ids]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """What the connector knows about the served model: keys, shapes and block size."""
+
+    fingerprint: ModelFingerprint  # ROPE form: vLLM's cache holds post-RoPE K
+    rope: RopeSpec
+    v_head_dim: int
+    block_size: int  # vLLM's KV block size in tokens (prefix blocks are cut at it)
+
+    @property
+    def num_layers(self) -> int:
+        """Attention layers of the model."""
+        return self.fingerprint.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads of the model."""
+        return self.fingerprint.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """K's head dim."""
+        return self.fingerprint.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of vLLM's KV cache."""
+        return self.fingerprint.torch_dtype
+
+
+def _kv_dtype(vllm_config: Any) -> torch.dtype:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise UnsupportedEngineError(
+            f"kv_cache_dtype={cache_dtype!r}: the connector stores unquantized KV only; "
+            "use kv_cache_dtype='auto'"
+        )
+    dtype = vllm_config.model_config.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedEngineError(f"model dtype {dtype!r} is not a torch.dtype")
+    return dtype
+
+
+def model_identity(vllm_config: Any) -> ModelIdentity:
+    """The fingerprint, RoPE spec and block size of the model vLLM serves.
+
+    Raises UnsupportedEngineError for what the connector cannot serve: tensor or
+    pipeline parallelism (each rank would hold a slice of the heads), quantized KV,
+    MLA or models without RoPE.
+    """
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise UnsupportedEngineError(
+            f"tensor_parallel_size={parallel.tensor_parallel_size}, "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}: the connector "
+            "supports one rank (1, 1) only"
+        )
+    if getattr(model_config, "use_mla", False):
+        raise UnsupportedEngineError("MLA models are not supported by the vLLM connector yet")
+    hf_config = model_config.hf_text_config
+    try:
+        rope = RopeSpec.from_hf_config(hf_config)
+    except (ValueError, TypeError, KeyError) as err:
+        raise UnsupportedEngineError(f"cannot derive a RoPE spec from the model: {err}") from err
+    num_layers = model_config.get_num_layers(parallel)
+    num_kv_heads = model_config.get_num_kv_heads(parallel)
+    head_dim = model_config.get_head_size()
+    if head_dim != rope.head_dim:
+        raise UnsupportedEngineError(
+            f"head size {head_dim} differs from the RoPE spec's head_dim {rope.head_dim}"
+        )
+    name = model_config.served_model_name
+    if isinstance(name, list | tuple):
+        name = name[0]
+    fingerprint = ModelFingerprint.from_rope_spec(
+        model=str(name or model_config.model),
+        revision=str(model_config.revision or ""),
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        dtype=_kv_dtype(vllm_config),
+        form=StoredForm.ROPE,
+        rope=rope,
+    )
+    return ModelIdentity(
+        fingerprint=fingerprint,
+        rope=rope,
+        v_head_dim=head_dim,
+        block_size=int(vllm_config.cache_config.block_size),
+    )

@@ -1,0 +1,447 @@
+"""The connector's scheduler half: look up prompts, claim tokens, plan loads and saves.
+
+Runs in vLLM's engine-core process, called by the scheduler thread.
+
+Claims. vLLM's connector API claims a prefix: tokens ``[num_computed_tokens, end)`` that
+the worker half will load before the forward. ``end`` is the exact prefix the servers
+hold (cut at vLLM's block size, so keys match vLLM's blocks one to one), extended with
+``pi_reuse="contiguous"`` by position-independent hits that tile the prompt without a gap
+right after it. It is aligned down to a block boundary and never reaches the prompt's
+last token (vLLM must compute at least one token to sample from). A lookup that fails
+(server down, slow, bad reply) claims 0 tokens: the request runs as if uncached.
+With ``pi_reuse="blend"`` the whole prompt is looked up and the claim reaches the end of
+the last hit anywhere in it, misses included (``blend.py``), when the cost model
+says it pays; the worker then runs the layer loop over the range.
+
+Saves. When a request's prompt has been prefilled, its KV is stored from position 0,
+the partial last block included (the client skips blocks the servers already hold; a
+message that ends the prompt is then reusable whole, at any position). KV events name
+the whole blocks only, the ones vLLM hashes. KV that came from a
+position-independent hit is approximate, and so is every later token's KV (it attended
+to it): such a request stores only the blocks before its first position-independent
+token (blend: before the first position the layer loop computes), so the exact cache
+never holds approximate KV; a blend claim also salts vLLM's block hashes from there on
+(``_salt_block_hashes``), so vLLM's own prefix cache never serves those blocks either.
+
+Concurrency: every method runs on vLLM's scheduler thread; the client is thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nopecache.client.chunking import ChunkSpan
+from nopecache.client.errors import NopecacheError
+from nopecache.client.plan import ReusePlan
+from nopecache.client.sync_client import CacheClient
+from nopecache.integrations.vllm.blend import blend_claim_end, blend_layout, blend_pays
+from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
+from nopecache.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan, StepReport
+
+__all__ = [
+    "SCHEDULER_COUNTERS",
+    "Claim",
+    "ConnectorTotals",
+    "SchedulerSide",
+    "StoredBlocks",
+    "claim_end",
+    "trim_plan",
+]
+
+SCHEDULER_COUNTERS = (
+    "lookups",
+    "lookup_failures",
+    "claimed_exact_tokens",
+    "claimed_pi_tokens",
+    "blend_claimed_tokens",
+    "blend_fallbacks",
+)
+
+log = logging.getLogger(f"vllm.{__name__}")  # shown in vLLM's log
+
+# Before any step report: a conservative CPU prefill rate (the claim pays in any case
+# unless fetches are slow).
+_DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
+_SALT = b"nopecache-approximate-kv:"
+
+
+def _salt_block_hashes(request: Any, first_block: int, end_block: int | None = None) -> None:
+    """Give the request's blocks from ``first_block`` on hashes no other request has.
+
+    vLLM's prefix cache indexes a computed block by the chained hash of the tokens up to
+    it, so blocks holding approximate KV (the blend range from its first
+    position-independent token, and every later block, which attended to it) would be
+    served as exact to the next request with the same tokens. vLLM hashes a request's
+    blocks when the request is made and chains each new block's hash from the last one
+    in ``request.block_hashes``; replacing the hashes from the first approximate block on
+    with ones salted by the request id (before the blocks are allocated and cached) files
+    those blocks, and all that follow, under keys no other request computes. Blocks
+    before it keep their hashes and stay shared. ``end_block``: salt only up to there
+    (the rest already is).
+    """
+    hashes = getattr(request, "block_hashes", None)
+    if not isinstance(hashes, list):
+        return
+    salt = _SALT + str(request.request_id).encode()
+    for i in range(first_block, len(hashes) if end_block is None else end_block):
+        hashes[i] = hashlib.sha256(salt + bytes(hashes[i])).digest()
+
+
+def claim_end(plan: ReusePlan, *, contiguous: bool, limit: int, block_size: int) -> int:
+    """Where a claim ends: the exact prefix (plus contiguous PI hits), block aligned."""
+    end = plan.prefix_end
+    if contiguous:
+        for hit in plan.hits:
+            if hit.target.start != end:
+                break
+            end = hit.target.end
+    end = min(end, limit)
+    return end - end % block_size
+
+
+def trim_plan(plan: ReusePlan, end: int) -> ReusePlan:
+    """``plan`` without the hits that start at or after ``end`` (they become misses)."""
+    hits = tuple(h for h in plan.hits if h.target.start < end)
+    misses: list[ChunkSpan] = []
+    pos = plan.prefix_end
+    for hit in hits:
+        if hit.target.start > pos:
+            misses.append(ChunkSpan(pos, hit.target.start))
+        pos = hit.target.end
+    if pos < plan.num_tokens:
+        misses.append(ChunkSpan(pos, plan.num_tokens))
+    return ReusePlan(plan.num_tokens, plan.prefix, hits, tuple(misses))
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One answer of get_num_new_matched_tokens, kept until the request is allocated."""
+
+    tokens: tuple[int, ...]
+    plan: ReusePlan
+    start: int  # vLLM's locally computed tokens at the call
+    end: int  # claim end (== start: nothing claimed)
+    blend: bool = False  # the worker runs the layer loop over [start, end)
+    pi_tokens: int = -1  # blend: position-independent tokens in the range (-1: not blend)
+    approximate_from: int | None = None  # blend: first position the layer loop computes
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    """Blocks this engine made available in the shared cache (for a KV event)."""
+
+    block_hashes: tuple[Any, ...]  # vLLM's own block hashes
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Any  # vLLM's Request (for its block hashes)
+    tokens: tuple[int, ...]  # the prompt
+    block_ids: list[int]
+    computed: int  # tokens computed before this step
+    approximate_from: int | None  # first position with position-independent KV
+    saved: bool = False
+
+
+@dataclass(slots=True)
+class ConnectorTotals:
+    """What the connector did since the engine started (scheduler and worker halves)."""
+
+    lookups: int = 0
+    lookup_failures: int = 0
+    claimed_exact_tokens: int = 0
+    claimed_pi_tokens: int = 0
+    blend_claimed_tokens: int = 0
+    blend_fallbacks: int = 0
+    report: StepReport = field(default_factory=StepReport)
+
+
+class SchedulerSide:
+    """Lookup and claim bookkeeping for one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        model: ModelIdentity,
+        client: CacheClient | None,
+        blend_unsupported: str | None = None,
+    ) -> None:
+        """A scheduler half using ``client`` (None: the connector loads nothing).
+
+        ``blend_unsupported``: why the engine cannot run blend mode (then it claims
+        prefixes only and counts the requests that lost a blend claim).
+        """
+        self.config = config
+        self.model = model
+        self.client = client
+        self.blend = config.blend and blend_unsupported is None
+        self.policy = config.policy() if self.blend else None
+        self._claims: dict[str, Claim] = {}
+        self._loads: list[LoadSpec] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._events: list[StoredBlocks] = []
+        # vLLM block hashes announced as stored and not yet seen gone (for BlockRemoved).
+        self._advertised: set[Any] = set()
+        self._removed: list[Any] = []
+        self._salted: dict[str, int] = {}  # request -> first block salted
+        self.totals = ConnectorTotals()
+        self._reported: dict[str, int] = {}
+
+    # -- claims -----------------------------------------------------------------------
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` that the cache can supply (0 on failure)."""
+        if self.client is None or not self.config.load:
+            return 0
+        req_id = request.request_id
+        known = self._claims.get(req_id)
+        if known is not None and known.start == num_computed_tokens:
+            return known.end - known.start
+        prompt = tuple(request.prompt_token_ids or ())
+        bs = self.model.block_size
+        limit = (len(prompt) - 1) // bs * bs if prompt else 0
+        if limit <= num_computed_tokens:
+            return 0
+        # Blend mode looks up the whole prompt: a hit that crosses the claim's limit (a
+        # moved message ending near the prompt's end) is then found, and used up to it.
+        tokens = prompt if self.config.blend else prompt[:limit]
+        contiguous = self.config.pi_reuse == "contiguous"
+        self.totals.lookups += 1
+        try:
+            plan = self.client.lookup(
+                tokens,
+                segments=self.config.segments(tokens),
+                namespace=self.config.namespace,
+                allow_position_independent=self.config.pi_reuse != "off",
+            )
+        except NopecacheError as err:  # a client-side failure: run uncached, say why
+            self.totals.lookup_failures += 1
+            log.warning("nopecache lookup failed for %s: %s", req_id, err)
+            return 0
+        self._note_gone(request, plan.prefix_end // bs, limit // bs)
+        end = claim_end(plan, contiguous=contiguous, limit=limit, block_size=bs)
+        end = max(end, num_computed_tokens)
+        claim = Claim(tokens, trim_plan(plan, end), num_computed_tokens, end)
+        if self.config.blend:
+            claim = self._blend_claim(request, plan, claim, limit)
+        self._claims[req_id] = claim
+        return claim.end - claim.start
+
+    def _blend_claim(self, request: Any, plan: ReusePlan, prefix: Claim, limit: int) -> Claim:
+        """The blend claim of ``plan`` when it pays, else the prefix claim ``prefix``."""
+        bs = self.model.block_size
+        start = prefix.start
+        end = blend_claim_end(plan, start=start, limit=limit, block_size=bs)
+        if end <= prefix.end:
+            return prefix
+        if not self.blend or self.policy is None:
+            self.totals.blend_fallbacks += 1  # blend refused at start-up (reason logged)
+            return prefix
+        layout = blend_layout(plan, start, end)
+        fraction = self.policy.planned_fraction(layout, self.model.num_layers)
+        if not blend_pays(
+            layout,
+            fraction,
+            prefill_tokens_per_s=self._prefill_rate(),
+            fetch_s=self._fetch_s(layout.num_pi),
+            loop_tokens_per_s=self._loop_rate(),
+        ):
+            log.info(
+                "nopecache: %s: blend claim [%d, %d) does not pay (%d reused of %d, "
+                "%.0f%% recomputed); claiming the prefix",
+                request.request_id,
+                start,
+                end,
+                layout.num_pi,
+                end - start,
+                100 * fraction,
+            )
+            return prefix
+        # The loop's rows match vLLM's own to rounding, not bit for bit: from its first
+        # position on, nothing is stored and vLLM's prefix cache files nothing as exact.
+        approximate_from = layout.prefix_end
+        first = approximate_from // bs
+        salted = self._salted.get(request.request_id)  # a retried claim keeps its salt
+        if salted is None or first < salted:
+            _salt_block_hashes(request, first, salted)
+            self._salted[request.request_id] = first
+        return Claim(
+            prefix.tokens,
+            trim_plan(plan, end),
+            start,
+            end,
+            blend=True,
+            pi_tokens=layout.num_pi,
+            approximate_from=approximate_from,
+        )
+
+    def _prefill_rate(self) -> float:
+        """vLLM's prefill rate, tokens/s, from the workers' reports (a default before any)."""
+        report = self.totals.report
+        if report.computed_tokens and report.forward_seconds > 0:
+            return report.computed_tokens / report.forward_seconds
+        return _DEFAULT_PREFILL_TOKENS_PER_S
+
+    def _loop_rate(self) -> float | None:
+        """The layer loop's rate in whole tokens (all layers) per second, once measured."""
+        report = self.totals.report
+        if report.blend_token_layers and report.blend_seconds > 0:
+            return report.blend_token_layers / self.model.num_layers / report.blend_seconds
+        return None
+
+    def _fetch_s(self, tokens: int) -> float:
+        """Seconds to fetch ``tokens`` tokens of KV at the client's observed rate (0 before
+        any fetch: the lookup's cost filter already dropped hits slower than recompute)."""
+        if self.client is None:
+            return 0.0
+        stats = self.client.stats()
+        if not stats.fetched_bytes or stats.fetch_seconds <= 0:
+            return 0.0
+        per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
+        nbytes = tokens * per_token * self.model.dtype.itemsize
+        return nbytes * stats.fetch_seconds / stats.fetched_bytes
+
+    def claim_is_async(self, req_id: str) -> bool:
+        """Whether the pending claim of ``req_id`` loads in the background (blend: never,
+        its layer loop must run right before the step's forward)."""
+        claim = self._claims.get(req_id)
+        return self.config.load_async and claim is not None and not claim.blend
+
+    def _note_gone(self, request: Any, found_blocks: int, looked_up_blocks: int) -> None:
+        """Announced blocks a lookup no longer finds were evicted: report them removed."""
+        if not self._advertised:
+            return
+        hashes = getattr(request, "block_hashes", ())[found_blocks:looked_up_blocks]
+        gone = [h for h in hashes if h in self._advertised]
+        if gone:
+            self._advertised.difference_update(gone)
+            self._removed.extend(gone)
+
+    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
+        """Record the blocks vLLM allocated; queue a load when tokens were claimed."""
+        req_id = request.request_id
+        claim = self._claims.pop(req_id, None)
+        approximate_from: int | None = None
+        if num_external > 0 and claim is not None:
+            end = claim.start + num_external
+            load = LoadSpec(
+                req_id,
+                claim.tokens,
+                claim.plan,
+                claim.start,
+                end,
+                tuple(block_ids),
+                asynchronous=self.config.load_async and not claim.blend,
+                blend=claim.blend,
+            )
+            self._loads.append(load)
+            self.totals.claimed_exact_tokens += load.exact_tokens
+            if claim.blend:
+                self.totals.claimed_pi_tokens += claim.pi_tokens
+                self.totals.blend_claimed_tokens += end - claim.start
+                approximate_from = claim.approximate_from
+            else:
+                self.totals.claimed_pi_tokens += load.pi_tokens
+                if load.pi_tokens:
+                    approximate_from = max(claim.start, claim.plan.prefix_end)
+        prompt = tuple(request.prompt_token_ids or ())
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            self._tracked[req_id] = _Tracked(request, prompt, list(block_ids), 0, approximate_from)
+        else:
+            tracked.block_ids = list(block_ids)
+            if approximate_from is not None:
+                tracked.approximate_from = approximate_from
+
+    # -- steps ------------------------------------------------------------------------
+    def _update_blocks(self, scheduler_output: Any) -> None:
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                tracked.computed = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed and new_ids is not None:
+                tracked.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                tracked.block_ids.extend(new_ids[0])
+            tracked.computed = cached.num_computed_tokens[i]
+
+    def _save(self, req_id: str, tracked: _Tracked, num_scheduled: int) -> SaveSpec | None:
+        bs = self.model.block_size
+        if tracked.saved or tracked.computed + num_scheduled < len(tracked.tokens):
+            return None
+        tracked.saved = True
+        end = len(tracked.tokens)  # the partial last block too: its KV is the prompt's
+        if tracked.approximate_from is not None:
+            end = min(end, tracked.approximate_from)
+            end -= end % bs
+        if end <= 0 or not self.config.save:
+            return None
+        # vLLM hashes whole blocks only: the KV event announces those.
+        whole = end // bs
+        hashes = tuple(getattr(tracked.request, "block_hashes", ())[:whole])
+        tokens = tracked.tokens[:end]
+        if whole:
+            self._events.append(StoredBlocks(hashes, tokens[: whole * bs], bs))
+        self._advertised.update(hashes)
+        return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: -(-end // bs)]))
+
+    def build_step(self, scheduler_output: Any) -> StepPlan:
+        """The loads and saves of this step; resets the pending loads."""
+        self._update_blocks(scheduler_output)
+        saves: list[SaveSpec] = []
+        for req_id, num in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            spec = self._save(req_id, tracked, num)
+            if spec is not None:
+                saves.append(spec)
+        loads, self._loads = tuple(self._loads), []
+        return StepPlan(loads, tuple(saves), int(scheduler_output.total_num_scheduled_tokens))
+
+    def on_report(self, report: StepReport | None) -> None:
+        """Fold the workers' account of a step into the totals and the cost model."""
+        if report is None:
+            return
+        # Steps follow one another: their forward times sum (the longest of them would put
+        # a lifetime of tokens over one step's time, and no blend claim would pay).
+        self.totals.report = self.totals.report.add(report)
+        if self.client is not None and report.computed_tokens and report.forward_seconds > 0:
+            self.client.observe_prefill(report.computed_tokens, report.forward_seconds)
+
+    def finished(self, req_ids: Iterable[str]) -> None:
+        """Forget finished requests."""
+        for req_id in req_ids:
+            self._tracked.pop(req_id, None)
+            self._claims.pop(req_id, None)
+            self._salted.pop(req_id, None)
+
+    def take_counters(self) -> dict[str, int]:
+        """The scheduler counters (SCHEDULER_COUNTERS) gained since the last call."""
+        now = {k: getattr(self.totals, k) for k in SCHEDULER_COUNTERS}
+        delta = {k: now[k] - self._reported.get(k, 0) for k in SCHEDULER_COUNTERS}
+        self._reported = now
+        return delta
+
+    def take_stored(self) -> list[StoredBlocks]:
+        """Blocks stored since the last call (for vLLM KV events)."""
+        events, self._events = self._events, []
+        return events
+
+    def take_removed(self) -> list[Any]:
+        """vLLM hashes of announced blocks found evicted since the last call."""
+        removed, self._removed = self._removed, []
+        return removed

@@ -1,0 +1,346 @@
+"""The connector's worker half: place fetched KV into vLLM's paged cache, queue stores.
+
+Runs in each vLLM worker process, on the model runner's thread, around every forward::
+
+    bind metadata (StepPlan)   t0
+    start_load_kv              fetch every LoadSpec's blocks (verified), write K/V into
+                               the claimed slots through the layer's KVLayout
+    forward                    vLLM computes the unclaimed tokens
+    wait_for_save              copy each SaveSpec's blocks out of the cache (one gather
+                               per layer), hand them to the client's store queue
+                               (``wait=False``: the network runs in the background)
+
+Loads are synchronous by default: vLLM schedules the request's forward right after, so
+the KV must be in place before it. With ``load_async`` they run on a background thread
+while vLLM keeps stepping other requests; the request waits until ``finished_loads``
+reports it (vLLM's async-receive protocol). A hit that fails verification, a server that dies mid-fetch, or
+any error while placing marks the blocks it covers as failed loads: vLLM recomputes
+them (``get_block_ids_with_load_errors``), and nothing wrong is ever attended to.
+vLLM's K is post-RoPE, so blocks are stored with ``form="rope"`` at their positions:
+exact-prefix blocks stay bit-exact, position-independent ones are un-rotated once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from nopecache.client.errors import NopecacheError
+from nopecache.client.sync_client import CacheClient
+from nopecache.integrations.vllm.blend import blend_layout
+from nopecache.integrations.vllm.blend_loop import (
+    BlendUnavailableError,
+    PagedLayerKV,
+    VllmStack,
+    find_model,
+)
+from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
+from nopecache.integrations.vllm.layout import (
+    CpuAttnLayout,
+    KVLayout,
+    UnsupportedLayoutError,
+    detect_layout,
+)
+from nopecache.integrations.vllm.metadata import (
+    LoadSpec,
+    SaveSpec,
+    StepPlan,
+    StepReport,
+    slots_for,
+)
+from nopecache.recompute.selective import run_selective
+
+__all__ = ["WorkerSide", "layer_index"]
+
+log = logging.getLogger(f"vllm.{__name__}")  # shown in vLLM's log
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+# A step computing fewer tokens is decode-dominated: its rate says nothing about prefill.
+_MIN_PREFILL_TOKENS = 64
+
+
+def layer_index(name: str) -> int:
+    """The layer number in a vLLM attention layer name (``model.layers.7.self_attn.attn``)."""
+    match = _LAYER_INDEX.search(name)
+    if match is None:
+        raise UnsupportedLayoutError(f"layer {name!r}: no layer number in its name")
+    return int(match.group(1))
+
+
+class WorkerSide:
+    """Loads and saves for one worker (see the module docstring)."""
+
+    def __init__(
+        self, config: ConnectorConfig, model: ModelIdentity, client: CacheClient | None
+    ) -> None:
+        """A worker half using ``client`` (None: the connector loads and stores nothing)."""
+        self.config = config
+        self.model = model
+        self.client = client
+        self.layout: KVLayout | None = None
+        self.caches: tuple[torch.Tensor, ...] = ()
+        # Guards _errors and _report: background loads add to them.
+        self._lock = threading.Lock()
+        self._errors: set[int] = set()
+        self._report = StepReport()
+        self._pending: dict[str, concurrent.futures.Future[float]] = {}
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nopecache-load")
+        self._step_start: float | None = None
+        self._load_seconds = 0.0
+        self.blend_stack: VllmStack | None = None
+        self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
+
+    # -- set-up -----------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+        """Identify the layout of every layer's cache; refuse an unknown one."""
+        if len(kv_caches) != self.model.num_layers:
+            raise UnsupportedLayoutError(
+                f"{len(kv_caches)} KV cache layers, the model has {self.model.num_layers}"
+            )
+        ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+        layouts = [
+            detect_layout(
+                name,
+                cache,
+                block_size=self.model.block_size,
+                num_kv_heads=self.model.num_kv_heads,
+                head_dim=self.model.head_dim,
+            )
+            for name, cache in ordered
+        ]
+        kinds = {type(lay) for lay in layouts}
+        if len(kinds) != 1:
+            raise UnsupportedLayoutError(f"layers mix KV layouts {sorted(k.name for k in kinds)}")
+        for name, cache in ordered:
+            if cache.dtype != self.model.dtype:
+                raise UnsupportedLayoutError(
+                    f"layer {name!r}: KV cache dtype {cache.dtype}, the model's is "
+                    f"{self.model.dtype}"
+                )
+        self.layout = layouts[0]
+        self.caches = tuple(cache for _, cache in ordered)
+        return self.layout
+
+    def bind_model(self, attention_layers: Mapping[str, Any]) -> None:
+        """Find the served model for blend mode's loop; on failure say why (prefix mode)."""
+        if not self.config.blend or self.blend_unavailable is not None:
+            return
+        try:
+            if not isinstance(self.layout, CpuAttnLayout):
+                raise BlendUnavailableError(
+                    f"KV layout {getattr(self.layout, 'name', None)}: blend mode runs on "
+                    "the CPU attention backend only"
+                )
+            stack = VllmStack(find_model(attention_layers))
+            if stack.num_layers != self.model.num_layers:
+                raise BlendUnavailableError(
+                    f"the model found has {stack.num_layers} layers, the caches "
+                    f"{self.model.num_layers}"
+                )
+            self.blend_stack = stack
+        except BlendUnavailableError as err:
+            self.refuse_blend(str(err))
+
+    def refuse_blend(self, reason: str) -> None:
+        """Run without the layer loop: blend claims load their exact part only."""
+        self.blend_unavailable = reason
+        self.blend_stack = None
+        log.warning("nopecache: blend mode unavailable in this worker (%s)", reason)
+
+    # -- per step ---------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Mark the start of a step (before its loads and forward)."""
+        self._step_start = time.perf_counter()
+        self._load_seconds = 0.0
+
+    def load(self, plan: StepPlan) -> None:
+        """Fetch and place every load of the step; failures become load errors."""
+        for spec in plan.loads:
+            if spec.asynchronous:
+                self._pending[spec.req_id] = self._loader.submit(self._timed_load, spec)
+            else:
+                self._load_seconds += self._timed_load(spec)
+
+    def _timed_load(self, spec: LoadSpec) -> float:
+        start = time.perf_counter()
+        try:
+            self._load_one(spec)
+        except Exception:  # a bug here must cost a recompute, never the engine
+            log.exception("nopecache: loading %s failed", spec.req_id)
+            self._fail(spec, range(spec.start, spec.end))
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._report.load_seconds += seconds
+        return seconds
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose background load ended since the last call."""
+        done = {req_id for req_id, future in self._pending.items() if future.done()}
+        for req_id in done:
+            del self._pending[req_id]
+        return done
+
+    def _fail(self, spec: LoadSpec, positions: range) -> None:
+        bs = self.model.block_size
+        blocks = {spec.block_ids[p // bs] for p in positions}
+        with self._lock:
+            self._errors.update(blocks)
+            self._report.load_errors += len(blocks)
+            self._report.failed_requests.append(spec.req_id)
+
+    def _load_one(self, spec: LoadSpec) -> None:
+        claimed = range(spec.start, spec.end)
+        if self.client is None or self.layout is None:
+            self._fail(spec, claimed)
+            return
+        try:
+            result = self.client.fetch(spec.plan, spec.tokens)
+        except NopecacheError as err:
+            log.warning("nopecache fetch for %s failed: %s", spec.req_id, err)
+            self._fail(spec, claimed)
+            return
+        assert result.k is not None and result.v is not None
+        if spec.blend:
+            self._blend_one(spec, result)
+            return
+        mask = result.mask[spec.start : spec.end]
+        placed = int(mask.sum())
+        if placed != len(claimed):
+            missing = [spec.start + int(i) for i in torch.nonzero(~mask).flatten()]
+            log.warning(
+                "nopecache: %d of %d claimed tokens of %s failed to load",
+                len(missing),
+                len(claimed),
+                spec.req_id,
+            )
+            self._fail(spec, range(min(missing), spec.end))
+        bs = self.model.block_size
+        slots = torch.tensor(
+            [spec.block_ids[p // bs] * bs + p % bs for p in claimed], dtype=torch.int64
+        )
+        keep = torch.nonzero(mask).flatten()
+        slots = slots[keep]
+        rows = keep + spec.start
+        for layer, cache in enumerate(self.caches):
+            self.layout.write(cache, slots, result.k[layer, rows], result.v[layer, rows])
+        with self._lock:
+            self._report.loaded_exact_tokens += spec.exact_tokens
+            self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
+            self._report.loaded_bytes += result.nbytes
+
+    def _blend_one(self, spec: LoadSpec, result: Any) -> None:
+        """Place the loaded hits of ``[start, end)``, then run the layer loop over it."""
+        assert self.layout is not None and result.k is not None and result.v is not None
+        loaded = result.mask
+        layout = blend_layout(spec.plan, spec.start, spec.end, loaded)
+        bs = self.model.block_size
+        slots = torch.tensor(slots_for(list(spec.block_ids), bs, 0, spec.end), dtype=torch.int64)
+        rows = torch.nonzero(layout.reused_mask()[spec.start :]).flatten() + spec.start
+        for layer, cache in enumerate(self.caches):
+            self.layout.write(cache, slots[rows], result.k[layer, rows], result.v[layer, rows])
+        computed_from = layout.prefix_end  # what vLLM recomputes if the loop cannot run
+        if self.blend_stack is None:
+            self._blend_failed(spec, computed_from, self.blend_unavailable or "no model")
+            return
+        ids = torch.tensor(spec.tokens[: spec.end], dtype=torch.int64)
+        kv = PagedLayerKV(self.layout, self.caches, slots)
+        started = time.perf_counter()
+        try:
+            run = run_selective(
+                self.blend_stack, kv, ids, layout, self.config.policy(), output=False
+            )
+        except Exception as err:  # never wrong KV: vLLM recomputes past the exact part
+            log.exception("nopecache: blend loop for %s failed", spec.req_id)
+            self._blend_failed(spec, computed_from, f"{type(err).__name__}: {err}")
+            return
+        with self._lock:
+            report = self._report
+            report.loaded_exact_tokens += layout.prefix_end - spec.start
+            report.loaded_pi_tokens += layout.num_pi
+            report.loaded_bytes += result.nbytes
+            report.blend_miss_tokens += spec.end - layout.prefix_end - layout.num_pi
+            report.pi_token_layers += layout.num_pi * self.model.num_layers
+            report.recomputed_token_layers += int(run.recomputed.sum())
+            report.blend_seconds += time.perf_counter() - started
+            report.blend_token_layers += int(run.computed.sum())
+
+    def _blend_failed(self, spec: LoadSpec, start: int, reason: str) -> None:
+        log.warning(
+            "nopecache: blend of %s fell back to the exact prefix (%s)", spec.req_id, reason
+        )
+        if start < spec.end:
+            self._fail(spec, range(start, spec.end))
+        with self._lock:
+            self._report.loaded_exact_tokens += start - spec.start
+            self._report.blend_fallbacks += 1
+
+    def save(self, plan: StepPlan) -> None:
+        """Copy every save's blocks out of the cache and queue their store."""
+        if self.client is not None and self.layout is not None:
+            for spec in plan.saves:
+                self._save_one(spec)
+        self._end_step(plan)
+
+    def _save_one(self, spec: SaveSpec) -> None:
+        assert self.client is not None and self.layout is not None
+        n = len(spec.tokens)
+        rows = len(spec.block_ids) * self.model.block_size  # whole blocks, the last partial
+        shape = (self.model.num_layers, rows, self.model.num_kv_heads, self.model.head_dim)
+        k = torch.empty(shape, dtype=self.model.dtype)
+        v = torch.empty(shape, dtype=self.model.dtype)
+        ids = torch.tensor(spec.block_ids, dtype=torch.int64)
+        for layer, cache in enumerate(self.caches):
+            self.layout.read_blocks_into(cache, ids, k[layer], v[layer])
+        k, v = k[:, :n], v[:, :n]
+        try:
+            report = self.client.store(
+                spec.tokens,
+                (k, v),
+                0,
+                form="rope",
+                segments=self.config.segments(spec.tokens),
+                namespace=self.config.namespace,
+                wait=False,
+            )
+        except NopecacheError as err:
+            log.warning("nopecache store for %s refused: %s", spec.req_id, err)
+            report = None
+        with self._lock:
+            if report is None or report.dropped:
+                self._report.save_dropped += 1
+            else:
+                self._report.saved_tokens += n
+
+    def _end_step(self, plan: StepPlan) -> None:
+        if self._step_start is None:
+            return
+        forward = time.perf_counter() - self._step_start - self._load_seconds
+        computed = plan.scheduled_tokens
+        if computed >= _MIN_PREFILL_TOKENS and forward > 0:
+            with self._lock:
+                self._report.computed_tokens += computed
+                self._report.forward_seconds += forward
+        self._step_start = None
+
+    def take_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call."""
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def take_report(self) -> StepReport | None:
+        """What this worker did since the last call (None if nothing)."""
+        with self._lock:
+            report, self._report = self._report, StepReport()
+        return None if report == StepReport() else report
+
+    def close(self) -> None:
+        """Wait for background loads, then stop their thread."""
+        self._loader.shutdown(wait=True)

@@ -1,0 +1,267 @@
+"""Blend mode in real vLLM engines: reuse at another position, inside vLLM's own forward.
+
+One scenario, in order, fp32, one real nopecache server (engines start once, ~30 s each):
+
+  1. engine ALL (blend, every reused token recomputed, no prefix caching) answers a
+     report placed before the assistant's system prompt while the server is empty:
+     nothing is claimed, the answer and its logprobs are vLLM's own (the baseline).
+  2. engine A (blend, the default policy, vLLM's prefix caching on) answers a chat with
+     the system prompt at position 0 and stores it.
+  3. ALL answers the report prompt again: the connector claims everything up to the
+     system prompt's end (the report as misses, the system prompt position-independent),
+     the layer loop recomputes every token, and the logprobs equal the baseline's
+     within fp32 rounding (the loop is vLLM's arithmetic).
+  4. A answers the report prompt with its default policy: the same claim, the system
+     prompt's tokens reused position-independently (a share recomputed), an answer.
+  5. vLLM's prefix cache and blending together: A's next report prompt gets no local
+     prefix-cache hit on the blended blocks (they hold KV vLLM did not compute), while a
+     chat sharing the stored system prompt still hits the exact blocks locally.
+  6. after an exact prefix: A prefills the report alone (exact blocks, stored); ALL
+     loads them and blends the rest, logprobs still vLLM's own; A finds the exact blocks
+     in its own prefix cache and blends after them (both at once).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
+from tests.support.engine_proc import EngineFactory
+from tests.support.redis_procs import free_ports
+from tests.support.server_procs import CacheServerProc
+
+pytestmark = pytest.mark.slow
+
+LAYERS = 30
+SYSTEM = PIP_FACTS * 2
+REPORT = " ".join(
+    f"Incident {i}: on line {i % 7 + 1} the {['morning', 'noon', 'evening'][i % 3]} train "
+    f"from {['Bodo', 'Narvik', 'Alta', 'Harstad'][i % 4]} ran {5 + 3 * i} minutes late "
+    f"because of {['snow', 'a signal fault', 'a crew change', 'track works'][i % 4]}."
+    for i in range(24)
+)
+# Long enough that the stored chat's whole blocks cover the system prompt.
+QUESTION = (
+    "I am travelling next week with my partner, our two children, our dog and two bikes, "
+    "first on the morning train and back late in the evening: what will the trip cost us "
+    "and what should we watch out for?"
+)
+LOGPROB_TOL = 2e-4  # fp32 rounding over 30 layers (measured 3e-5); a wrong row costs > 0.1
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # fp32 KV of SmolLM2 is 45 KiB a token, stored exact and as chunks: the scenario
+    # stores ~2500 tokens' worth. The default 64 MiB tier evicted the system prompt's
+    # chunks before the last test whenever no engine had stored them again.
+    proc = CacheServerProc(
+        Path(tmp_path_factory.mktemp("server")),
+        free_ports(1)[0],
+        tiers=("cpu://?capacity=512MiB&pinned=no",),
+    )
+    proc.start()
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def state() -> dict[str, Any]:
+    """What the ordered tests hand each other."""
+    return {}
+
+
+def _connector(server: CacheServerProc, **extra: Any) -> dict[str, Any]:
+    return {
+        "url": f"nopecache://{server.address}",
+        "pi_reuse": "blend",
+        "segment_token_ids": [IM_START],
+        **extra,
+    }
+
+
+def _metrics(engine: Any) -> dict[str, float]:
+    return {k.removeprefix("vllm:nopecache_"): v for k, v in engine.metrics().items()}
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _report_prompt(engine: Any, question: str) -> list[int]:
+    return list(
+        engine.chat(
+            [
+                {"role": "user", "content": f"Here is this week's delay report. {REPORT}"},
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": question},
+            ]
+        )
+    )
+
+
+def _system_span(prompt: list[int]) -> tuple[int, int]:
+    """Positions of the system prompt's message (the third message of a report prompt)."""
+    starts = [i for i, t in enumerate(prompt) if t == IM_START]
+    return starts[2], starts[3]
+
+
+def _wait_stored(engine: Any, tokens: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _metrics(engine).get("saved_tokens", 0.0) < tokens:
+        assert time.monotonic() < deadline, "the store did not land"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the client's queue hands the store to the server in the background
+
+
+def _run(engine: Any, prompt: list[int]) -> dict[str, Any]:
+    return engine.generate_many([prompt], max_tokens=8, logprobs=5)[0]
+
+
+def test_uncached_report_is_the_baseline(
+    engines: EngineFactory, server: CacheServerProc, state: dict[str, Any]
+) -> None:
+    every = engines(
+        dtype="float32",
+        connector=_connector(server, recompute_policy="first_k", recompute_budget=1.0, save=False),
+    )
+    prompt = _report_prompt(every, "Which fact of yours helps a passenger of line 3 most?")
+    sys_start, sys_end = _system_span(prompt)
+    assert sys_start > 600 and sys_end - sys_start > 2 * BLOCK
+    base = _run(every, prompt)
+    assert base["cached"] == 0 and base["ids"]
+    state.update(every=every, prompt=prompt, base=base, span=(sys_start, sys_end))
+
+
+def test_chat_with_system_prompt_first_is_stored(
+    engines: EngineFactory, server: CacheServerProc, state: dict[str, Any]
+) -> None:
+    a = engines(dtype="float32", prefix_caching=True, connector=_connector(server))
+    chat = list(
+        a.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    )
+    system_end = [i for i, t in enumerate(chat) if t == IM_START][1]
+    assert len(chat) // BLOCK * BLOCK >= system_end  # whole blocks hold the system prompt
+    out = a.generate(chat, max_tokens=4)
+    assert out["cached"] == 0
+    _wait_stored(a, len(chat) // BLOCK * BLOCK)
+    state.update(a=a, chat=chat)
+
+
+def test_all_recompute_blend_equals_vllms_own_logits(state: dict[str, Any]) -> None:
+    every, prompt, base = state["every"], state["prompt"], state["base"]
+    sys_start, sys_end = state["span"]
+    before = _metrics(every)
+    out = _run(every, prompt)
+    after = _metrics(every)
+    claim = sys_end - sys_end % BLOCK
+    assert out["cached"] == claim
+    assert _delta(after, before, "blend_claimed_tokens") == claim
+    reused = _delta(after, before, "loaded_pi_tokens")
+    assert reused == claim - sys_start  # the system prompt's tokens inside the claim
+    assert _delta(after, before, "blend_miss_tokens") == sys_start
+    assert _delta(after, before, "pi_token_layers") == reused * LAYERS
+    assert _delta(after, before, "recomputed_token_layers") == reused * LAYERS
+    assert _delta(after, before, "blend_fallbacks") == 0
+    assert out["ids"] == base["ids"]
+    worst = 0.0
+    for mine, ref in zip(out["logprobs"], base["logprobs"], strict=True):
+        assert mine.keys() == ref.keys()
+        worst = max(worst, *(abs(mine[t] - ref[t]) for t in ref))
+    print(f"all-recompute blend vs vLLM: largest logprob difference {worst:.2e}")
+    assert worst <= LOGPROB_TOL, f"logprobs differ by {worst}"
+
+
+def test_report_before_system_prompt_reuses_it(state: dict[str, Any]) -> None:
+    a, prompt = state["a"], state["prompt"]
+    sys_start, sys_end = state["span"]
+    before = _metrics(a)
+    out = a.generate(prompt, max_tokens=24)
+    after = _metrics(a)
+    claim = sys_end - sys_end % BLOCK
+    assert out["cached"] == claim
+    reused = _delta(after, before, "loaded_pi_tokens")
+    assert reused == claim - sys_start
+    assert _delta(after, before, "claimed_pi_tokens") == reused
+    layers = _delta(after, before, "pi_token_layers")
+    assert layers == reused * LAYERS
+    share = _delta(after, before, "recomputed_token_layers") / layers
+    assert 0.10 <= share <= 0.20  # the default policy: 15% of the reused token-layers
+    assert out["ids"], "no answer"
+
+
+def test_prefix_cache_never_serves_blended_blocks(state: dict[str, Any]) -> None:
+    a, chat = state["a"], state["chat"]
+    before = a.metrics()
+    again = _report_prompt(a, "Which line was the latest?")
+    out = a.generate(again, max_tokens=4)
+    after = a.metrics()
+    # vLLM's prefix cache is asked before the connector: the blocks of the blended
+    # prompt are not exact, so none is served (unsalted, the shared 896 tokens would be).
+    assert _delta(after, before, "vllm:prefix_cache_hits") == 0
+    assert out["ids"]
+    same_system = list(
+        a.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Bikes?"}])
+    )
+    before = a.metrics()
+    a.generate(same_system, max_tokens=4)
+    after = a.metrics()
+    shared = min(len(chat), len(same_system)) // BLOCK * BLOCK
+    assert _delta(after, before, "vllm:prefix_cache_hits") >= shared - BLOCK
+
+
+def test_blend_after_an_exact_prefix_local_or_loaded(state: dict[str, Any]) -> None:
+    a, every, prompt, base = state["a"], state["every"], state["prompt"], state["base"]
+    sys_start, sys_end = state["span"]
+    # A prefills the report with another ending itself (nothing to blend: vLLM computes
+    # it, its blocks are exact): they land in A's prefix cache and on the server.
+    report_only = list(
+        a.chat(
+            [
+                {"role": "user", "content": f"Here is this week's delay report. {REPORT}"},
+                {"role": "user", "content": "Summarise it."},
+            ]
+        )
+    )
+    exact = min(sys_start, len(report_only)) // BLOCK * BLOCK
+    assert prompt[:exact] == report_only[:exact] and exact >= 4 * BLOCK
+    saved = _metrics(a).get("saved_tokens", 0.0)
+    a.generate(report_only, max_tokens=2)
+    _wait_stored(a, saved + exact)
+    claim = sys_end - sys_end % BLOCK
+
+    # ALL loads the exact blocks, blends the rest: still vLLM's own logprobs.
+    before = _metrics(every)
+    out = _run(every, prompt)
+    after = _metrics(every)
+    assert out["cached"] == claim
+    assert _delta(after, before, "loaded_exact_tokens") == exact
+    assert _delta(after, before, "blend_claimed_tokens") == claim
+    # The system prompt, and the report's last chunk too (report_only stored it), reused.
+    reused = _delta(after, before, "loaded_pi_tokens")
+    assert reused >= claim - sys_start
+    assert _delta(after, before, "blend_miss_tokens") == claim - exact - reused
+    assert out["ids"] == base["ids"]
+    worst = max(
+        abs(mine[t] - ref[t])
+        for mine, ref in zip(out["logprobs"], base["logprobs"], strict=True)
+        for t in ref
+    )
+    assert worst <= LOGPROB_TOL, f"logprobs differ by {worst}"
+
+    # A holds the exact blocks in its own prefix cache, and vLLM asks the connector only
+    # past them: the blend claim starts there and reaches the system prompt's end. Its
+    # ~20 misses and 15% of ~240 reused tokens in the loop against vLLM's prefill of 256:
+    # the cost model takes it by a wide margin.
+    before_all = _metrics(a)
+    out = a.generate(prompt, max_tokens=8)
+    after_all = _metrics(a)
+    assert _delta(after_all, before_all, "vllm:prefix_cache_hits") == exact
+    assert out["cached"] == claim
+    assert _delta(after_all, before_all, "blend_claimed_tokens") == claim - exact
+    assert _delta(after_all, before_all, "loaded_exact_tokens") == 0
+    assert out["ids"]
+    state.update(exact=exact)

@@ -1,0 +1,237 @@
+"""Two real vLLM engines share KV through a real nopecache server (over a real Redis).
+
+One scenario, in order (the tests share engines because each start costs ~30 s):
+
+fp32 (every output must equal vLLM's plain no-cache output token for token):
+  1. engine A32 starts while the server is down: its requests run uncached; their outputs
+     are the baselines. The server starts; A32 answers the system prompt + question 1
+     and stores it.
+  2. a fresh engine B32 answers the system prompt + question 2: the connector claims the
+     system prompt's whole blocks, output identical to the baseline.
+  3. every stored value is corrupted in Redis: B32's next claim fails verification, the
+     blocks are reported as load errors, vLLM recomputes, output identical.
+  4. the server hangs, then dies: requests complete uncached, outputs identical.
+bf16:
+  5. the server restarts empty; A32 stores fp32 blocks again; a fresh bf16 engine B16
+     claims nothing from them (fp32 and bf16 never share blocks).
+  6. engine A16 stores the bf16 blocks; B16 claims the system prompt; its output equals
+     vLLM's own prefix cache serving the same split (engine APC16, warmed the same way).
+  7. A16 runs with ``pi_reuse="contiguous"``: a truncated chat history (old turns
+     dropped) claims the moved history past the exact prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
+from tests.support.engine_proc import EngineFactory, common_prefix
+from tests.support.redis_procs import RedisProc, free_ports
+from tests.support.server_procs import CacheServerProc
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = PIP_FACTS * 3
+QUESTIONS = [
+    "How much is a day pass?",
+    "Can I take my bike at 8 am?",
+    "When does the night train leave?",
+    "How long is lost property kept?",
+    "What refund do I get for a 90 minute delay?",
+]
+
+
+def _chat(engine: Any, question: str, system: str = SYSTEM) -> list[int]:
+    return list(
+        engine.chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    )
+
+
+def _expected_claim(stored: list[int], prompt: list[int]) -> int:
+    common = common_prefix(stored, prompt)
+    limit = min(common, len(stored) // BLOCK * BLOCK, (len(prompt) - 1) // BLOCK * BLOCK)
+    return limit - limit % BLOCK
+
+
+def _wait_stored(redis: RedisProc, at_least: int, timeout_s: float = 30.0) -> int:
+    """Wait until the background store has landed (the key count stops growing)."""
+    client = redis.client()
+    deadline = time.monotonic() + timeout_s
+    last, stable_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = int(client.dbsize())
+        if n != last:
+            last, stable_since = n, time.monotonic()
+        elif n >= at_least and time.monotonic() - stable_since > 1.0:
+            return n
+        time.sleep(0.1)
+    raise AssertionError(f"only {last} blocks reached Redis")
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    proc = RedisProc(tmp_path_factory.mktemp("redis"), free_ports(1)[0])
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis: RedisProc) -> Any:
+    """A cache server whose only tier is Redis (so the test can reach every stored byte)."""
+    proc = CacheServerProc(
+        Path(tmp_path_factory.mktemp("server")), free_ports(1)[0], tiers=(redis.url,)
+    )
+    yield proc  # not started: the first test starts it
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def state() -> dict[str, Any]:
+    """What the ordered tests hand each other (engines, prompts, baselines)."""
+    return {}
+
+
+def _connector(server: CacheServerProc, **extra: Any) -> dict[str, Any]:
+    return {"url": f"nopecache://{server.address}?lookup_timeout=500ms", **extra}
+
+
+def _metric(engine: Any, name: str) -> float:
+    return engine.metrics().get(f"vllm:nopecache_{name}", 0.0)
+
+
+def test_fp32_server_down_then_shared(
+    engines: EngineFactory, server: CacheServerProc, redis: RedisProc, state: dict[str, Any]
+) -> None:
+    a32 = engines(dtype="float32", connector=_connector(server))
+    prompts = [_chat(a32, q) for q in QUESTIONS]
+    baseline = []
+    for p in prompts:  # server down at start: every request completes uncached
+        out = a32.generate(p, max_tokens=12)
+        assert out["cached"] == 0
+        baseline.append(out["ids"])
+    assert all(baseline), "the baseline answers are empty"
+    assert _metric(a32, "loaded_exact_tokens") == 0
+
+    server.start()
+    assert a32.generate(prompts[0], max_tokens=12)["ids"] == baseline[0]
+    _wait_stored(redis, len(prompts[0]) // BLOCK)
+
+    b32 = engines(dtype="float32", connector=_connector(server))
+    out = b32.generate(prompts[1], max_tokens=12)
+    claim = _expected_claim(prompts[0], prompts[1])
+    assert claim >= 3 * BLOCK
+    assert out["cached"] == claim
+    assert _metric(b32, "loaded_exact_tokens") == claim
+    assert _metric(b32, "claimed_exact_tokens") == claim
+    assert out["ids"] == baseline[1]
+    state.update(a32=a32, b32=b32, prompts=prompts, baseline=baseline, claim=claim)
+
+
+def test_corrupted_blocks_are_recomputed(redis: RedisProc, state: dict[str, Any]) -> None:
+    b32, prompts, baseline = state["b32"], state["prompts"], state["baseline"]
+    client = redis.client()
+    keys = sorted(client.keys("*"))
+    values = [client.get(k) for k in keys]
+    assert len(keys) >= 2
+    for key, value in zip(keys, values[1:] + values[:1], strict=True):
+        assert value is not None
+        client.set(key, value)  # every key now holds another block: valid lz4, wrong KV
+    errors_before = _metric(b32, "load_errors")
+    out = b32.generate(prompts[2], max_tokens=12)
+    assert _metric(b32, "load_errors") > errors_before
+    assert out["ids"] == baseline[2]
+
+
+def test_hung_then_dead_server_runs_uncached(
+    server: CacheServerProc, state: dict[str, Any]
+) -> None:
+    b32, prompts, baseline = state["b32"], state["prompts"], state["baseline"]
+    server.pause()
+    try:
+        out = b32.generate(prompts[3], max_tokens=12)
+    finally:
+        server.kill()
+    assert out["ids"] == baseline[3]
+    out = b32.generate(prompts[4], max_tokens=12)
+    assert out["cached"] == 0
+    assert out["ids"] == baseline[4]
+    b32.stop()  # each engine holds ~2 GiB: keep at most three alive
+
+
+def test_bf16_never_reads_fp32_blocks(
+    engines: EngineFactory, server: CacheServerProc, redis: RedisProc, state: dict[str, Any]
+) -> None:
+    redis.client().flushall()
+    server.start()
+    a32, prompts = state["a32"], state["prompts"]
+    a32.generate(prompts[0], max_tokens=4)
+    _wait_stored(redis, len(prompts[0]) // BLOCK)
+    # B16 only reads (save off), so what it claims later can only come from A16; it
+    # loads in the background (load_async), the request waiting for it.
+    b16 = engines(dtype="bfloat16", connector=_connector(server, save=False, load_async=True))
+    out = b16.generate(prompts[1], max_tokens=12)
+    assert out["cached"] == 0
+    assert _metric(b16, "loaded_exact_tokens") == 0
+    a32.stop()
+    state.update(b16=b16)
+
+
+def test_bf16_matches_vllm_prefix_cache_split(
+    engines: EngineFactory, server: CacheServerProc, redis: RedisProc, state: dict[str, Any]
+) -> None:
+    prompts, b16 = state["prompts"], state["b16"]
+    a16 = engines(
+        dtype="bfloat16",
+        connector=_connector(server, pi_reuse="contiguous", segment_token_ids=[IM_START]),
+    )
+    before = int(redis.client().dbsize())
+    a16.generate(prompts[0], max_tokens=12)
+    _wait_stored(redis, before + 1)
+    out = b16.generate(prompts[1], max_tokens=12)
+    assert out["cached"] == state["claim"]
+
+    apc = engines(dtype="bfloat16", prefix_caching=True)
+    apc.generate(prompts[0], max_tokens=12)  # warms vLLM's own cache with the same prefix
+    ref = apc.generate(prompts[1], max_tokens=12)
+    assert ref["cached"] == out["cached"]
+    assert out["ids"] == ref["ids"]
+    state.update(a16=a16)
+
+
+def test_contiguous_mode_claims_truncated_history(redis: RedisProc, state: dict[str, Any]) -> None:
+    a16 = state["a16"]
+    turns = [
+        ("Where does the night train go?", "It goes to Tromso, leaving at 22:40."),
+        ("Which platform?", "Platform 3 at the central station."),
+        ("Is there a quiet carriage?", "Yes, coach C is always the quiet carriage."),
+        ("Can I bring my dog?", "Yes, dogs travel for half the child fare."),
+        ("And my bike in the evening?", "Bikes are free outside 4 to 6 pm and 7 to 9 am."),
+        ("How long is lost property kept?", "For 30 days at the central station office."),
+    ] * 2
+    system = {"role": "system", "content": "You are Pip, the assistant of Northern Lines."}
+
+    def chat(pairs: list[tuple[str, str]], question: str) -> list[int]:
+        messages = [system]
+        for user, assistant in pairs:
+            messages += [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": assistant},
+            ]
+        return list(a16.chat([*messages, {"role": "user", "content": question}]))
+
+    full = chat(turns, "When do reservations close?")
+    before = int(redis.client().dbsize())
+    a16.generate(full, max_tokens=4)
+    _wait_stored(redis, before + 1)
+    pi_before = _metric(a16, "loaded_pi_tokens")
+    truncated = chat(turns[4:], "When do reservations close?")  # the oldest turns dropped
+    out = a16.generate(truncated, max_tokens=12)
+    exact = _expected_claim(full, truncated)
+    assert out["cached"] > exact, "nothing claimed past the exact prefix"
+    assert _metric(a16, "loaded_pi_tokens") - pi_before == out["cached"] - exact
+    assert out["ids"], "no answer"

@@ -1,0 +1,182 @@
+"""Blend mode's claim, its settings and its fall-backs, without vLLM (tests/integrations/vllm/engine runs it in
+real engines).
+
+The scheduler and worker halves run against a real server with the inputs vLLM gives them
+(requests with token ids and block hashes, a paged cache), as in test_vllm_halves.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from nopecache.client.chunking import ChunkSpan
+from nopecache.client.keys import BlockKey
+from nopecache.client.plan import Hit, HitKind, ReusePlan
+from nopecache.integrations.vllm.blend import (
+    blend_claim_end,
+    blend_layout,
+    blend_pays,
+)
+from nopecache.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+from nopecache.proto.block import StoredForm
+from nopecache.recompute.policies import DEFAULT_POLICY, first_k
+from tests.integrations.vllm.test_halves import BS, _Engine, _request
+from tests.support.server_procs import CacheServerProc
+
+URL = "nopecache://127.0.0.1:1"
+SMALL_CHUNKS = "?lookup_timeout=300ms&chunk_min_tokens=2&chunk_avg_tokens=4&chunk_max_tokens=8"
+
+
+def _hit(start: int, end: int, kind: HitKind) -> Hit:
+    key = BlockKey(bytes(16))
+    return Hit(key, ChunkSpan(start, end), ChunkSpan(0, end - start), StoredForm.ROPE, kind)
+
+
+def _plan(num_tokens: int, prefix_end: int, hits: list[tuple[int, int]]) -> ReusePlan:
+    prefix = tuple(_hit(i, i + BS, HitKind.PREFIX) for i in range(0, prefix_end, BS))
+    pi = tuple(_hit(s, e, HitKind.POSITION_INDEPENDENT) for s, e in hits)
+    misses, pos = [], prefix_end
+    for s, e in hits:
+        if s > pos:
+            misses.append(ChunkSpan(pos, s))
+        pos = e
+    if pos < num_tokens:
+        misses.append(ChunkSpan(pos, num_tokens))
+    return ReusePlan(num_tokens, prefix, pi, tuple(misses))
+
+
+def test_blend_claim_ends_at_the_last_hit_block_aligned() -> None:
+    plan = _plan(40, 8, [(13, 19), (22, 31)])
+    assert blend_claim_end(plan, start=0, limit=36, block_size=BS) == 28
+    assert blend_claim_end(plan, start=0, limit=24, block_size=BS) == 24  # the limit cuts
+    assert blend_claim_end(_plan(40, 8, []), start=0, limit=36, block_size=BS) == 8
+    assert blend_claim_end(_plan(40, 0, []), start=12, limit=36, block_size=BS) == 12
+
+
+def test_blend_layout_marks_exact_reused_and_missing_positions() -> None:
+    plan = _plan(40, 8, [(13, 19), (22, 31)])
+    layout = blend_layout(plan, 4, 28)
+    assert (layout.num_tokens, layout.prefix_end) == (28, 8)
+    assert layout.chunks == (ChunkSpan(13, 19), ChunkSpan(22, 28))
+    # vLLM's own cache covers more than the servers' exact prefix: hits below it are unused.
+    assert blend_layout(plan, 16, 28).chunks == (ChunkSpan(16, 19), ChunkSpan(22, 28))
+    # A hit that did not load becomes misses; an exact block that did not, the prefix's end.
+    loaded = torch.ones(40, dtype=torch.bool)
+    loaded[14] = False
+    loaded[5] = False
+    failed = blend_layout(plan, 0, 28, loaded)
+    assert failed.prefix_end == 5 and failed.chunks == (ChunkSpan(22, 28),)
+
+
+def test_blend_pays_when_the_loop_and_fetch_cost_less_than_vllms_prefill() -> None:
+    layout = blend_layout(_plan(40, 0, [(8, 28)]), 0, 28)  # 8 misses, then 20 reused
+    assert layout.num_pi == 20
+    rate = 100.0  # tokens/s: vLLM prefills the 28 in 0.28 s; the loop computes 8 + 3 tokens
+    assert blend_pays(layout, 0.15, prefill_tokens_per_s=rate, fetch_s=0.1)
+    assert not blend_pays(layout, 0.15, prefill_tokens_per_s=rate, fetch_s=0.2)
+    # A loop measured at half vLLM's rate costs 0.22 s: a 0.1 s fetch no longer pays.
+    assert not blend_pays(
+        layout, 0.15, prefill_tokens_per_s=rate, fetch_s=0.1, loop_tokens_per_s=rate / 2
+    )
+    assert blend_pays(layout, 1.0, prefill_tokens_per_s=rate, fetch_s=10.0)  # the check mode
+    no_pi = blend_layout(_plan(40, 8, []), 0, 8)
+    assert not blend_pays(no_pi, 0.15, prefill_tokens_per_s=rate, fetch_s=0)
+
+
+def test_blend_settings_and_their_defaults() -> None:
+    config = ConnectorConfig.from_extra_config({"url": URL, "pi_reuse": "blend"})
+    assert config.blend and config.policy().name == DEFAULT_POLICY.name
+    config = ConnectorConfig.from_extra_config(
+        {"url": URL, "pi_reuse": "blend", "recompute_policy": "first_k", "recompute_budget": 1}
+    )
+    assert config.policy().name == first_k(1.0).name
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"recompute_policy": "blend"}, "['recompute_policy']: applies to pi_reuse=\"blend\""),
+        (
+            {"pi_reuse": "contiguous", "recompute_budget": 0.2},
+            "['recompute_budget']: applies to pi_reuse=\"blend\" only",
+        ),
+        ({"pi_reuse": "blend", "recompute_policy": "best"}, "['recompute_policy']: must be one of"),
+        ({"pi_reuse": "blend", "recompute_budget": 1.5}, "['recompute_budget']: must be a number"),
+        ({"pi_reuse": "blend", "recompute_budget": True}, "['recompute_budget']: must be a number"),
+    ],
+)
+def test_bad_blend_settings_name_the_key(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConnectorConfigError) as err:
+        ConnectorConfig.from_extra_config({"url": URL, **extra})
+    assert message in str(err.value)
+
+
+SEGMENT = [1, *range(50, 62)]  # 13 tokens, a message starting with the segment token 1
+
+
+@pytest.fixture
+def blend_pair(cache_server: CacheServerProc) -> Any:
+    a = _Engine(cache_server, 1, SMALL_CHUNKS, segment_token_ids=[1])
+    b = _Engine(cache_server, 2, SMALL_CHUNKS, segment_token_ids=[1], pi_reuse="blend")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_blend_claim_covers_a_moved_segment_and_salts_vllms_hashes(blend_pair: Any) -> None:
+    a, b = blend_pair
+    a.step(_request("r1", [*SEGMENT, 1, 70, 71]), [0, 1, 2, 3], 0)  # stored at position 0
+    prompt = [1, *range(90, 97), *SEGMENT, 1, 80, 81, 82]  # the segment moved to 8..21
+    request = _request("r2", prompt)
+    exact_hashes = list(request.block_hashes)
+    claimed = b.scheduler.matched_tokens(request, 0)
+    assert claimed == 20  # to the segment's last hit (21), block aligned; misses included
+    assert all(new != old for new, old in zip(request.block_hashes, exact_hashes, strict=True))
+    b.scheduler.after_alloc(request, [4, 5, 6, 7, 8, 9, 10], claimed)
+    assert b.scheduler.claim_is_async("r2") is False
+    output = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+    )
+    step = b.scheduler.build_step(output)
+    (load,) = step.loads
+    assert load.blend and (load.start, load.end) == (0, 20)
+    totals = b.scheduler.totals
+    assert totals.blend_claimed_tokens == 20 and totals.claimed_pi_tokens == 12
+    # This worker has no model to run the loop: the claim falls back, never wrong KV.
+    b.worker.refuse_blend("no model in this test")
+    b.worker.load(step)
+    assert b.worker.take_errors() == {4, 5, 6, 7, 8}  # vLLM recomputes the whole range
+    report = b.worker.take_report()
+    assert report is not None and report.blend_fallbacks == 1
+    assert report.loaded_pi_tokens == 0 and report.pi_token_layers == 0
+
+
+def test_an_engine_without_blend_support_claims_prefixes_only(
+    cache_server: CacheServerProc,
+) -> None:
+    a = _Engine(cache_server, 1, SMALL_CHUNKS, segment_token_ids=[1])
+    b = _Engine(
+        cache_server,
+        2,
+        SMALL_CHUNKS,
+        blend_unsupported="model architecture ['GPT2LMHeadModel']",
+        segment_token_ids=[1],
+        pi_reuse="blend",
+    )
+    try:
+        a.step(_request("r1", [*SEGMENT, 1, 70, 71]), [0, 1, 2, 3], 0)
+        request = _request("r2", [1, *range(90, 97), *SEGMENT, 1, 80, 81, 82])
+        hashes = list(request.block_hashes)
+        assert b.scheduler.matched_tokens(request, 0) == 0
+        assert request.block_hashes == hashes
+        assert b.scheduler.totals.blend_fallbacks == 1
+    finally:
+        a.close()
+        b.close()

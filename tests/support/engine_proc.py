@@ -1,0 +1,328 @@
+"""A real vLLM engine in a child process, driven by JSON lines (for tests and benchmarks).
+
+``EngineProc(config).start()`` runs this file as a script in the vLLM environment: it
+builds ``vllm.LLM`` from the config and answers one JSON command per line on stdin with
+one JSON line on a private pipe (vLLM's own logs go to a log file). Commands:
+
+    {"op": "chat", "messages": [...]}            -> {"ids": [...]}  (chat template applied)
+    {"op": "generate", "prompts": [[ids]], "max_tokens": n, "prompt_logprobs": k | null,
+     "logprobs": k | null, "skip_reading_prefix_cache": bool | null}
+        -> {"outputs": [{"ids", "text", "cached", "ttft", "prompt_logprobs", "logprobs"}],
+            "seconds": s}   (ttft: vLLM's own time to first token of the request, seconds)
+    {"op": "metrics"}                            -> {"vllm:...": value}  (counters summed)
+
+CPU settings every engine shares (so every run does the same arithmetic): one OpenMP
+thread bound to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``: any KV connector reserves a core
+and would change the thread count, which changes bf16 results), 1 GiB of KV cache,
+offline, eager mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENGINE_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+}
+_START_TIMEOUT_S = 240.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build the engine: model folder, dtype, prefix caching, connector settings."""
+
+    model: str
+    dtype: str = "bfloat16"
+    prefix_caching: bool = False
+    connector: dict[str, Any] | None = None  # kv_connector_extra_config; None: no connector
+    max_model_len: int = 4096
+    extra: dict[str, Any] = field(default_factory=dict)
+    # Another connector than nopecache's (a peer, for benchmarks), and its environment.
+    connector_class: str = "NopecacheConnector"
+    connector_module: str | None = "nopecache.integrations.vllm"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+EngineFactory = Callable[..., "EngineProc"]
+"""The ``engines`` fixture: ``engines(dtype=..., connector=...)`` starts an EngineProc."""
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two prompts share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class EngineError(RuntimeError):
+    """The engine process failed or answered with an error."""
+
+
+class EngineProc:
+    """Parent side: start the engine, send commands, read answers, stop it."""
+
+    def __init__(self, config: EngineConfig, log_path: Path) -> None:
+        self.config = config
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._answers: Any = None
+
+    def start(self) -> EngineProc:
+        """Start the child and wait until its engine is built (raises EngineError)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> EngineProc:
+        """Start the child without waiting (several engines then build side by side)."""
+        read_fd, write_fd = os.pipe()
+        env = {**os.environ, **ENGINE_ENV, **self.config.env, "NOPECACHE_ENGINE_FD": str(write_fd)}
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, json.dumps(asdict(self.config))],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=(write_fd,),
+        )
+        os.close(write_fd)
+        log.close()
+        self._answers = os.fdopen(read_fd, "r")
+        return self
+
+    def wait_ready(self) -> EngineProc:
+        """Wait until a launched child's engine is built (raises EngineError)."""
+        try:
+            self._read(_START_TIMEOUT_S)
+        except EngineError as err:
+            raise EngineError(f"{err}\n--- engine log ---\n{self.log_tail()}") from None
+        return self
+
+    def _read(self, timeout_s: float) -> Any:
+        assert self.proc is not None
+        line = self._answers.readline()
+        if not line:
+            self.proc.wait(timeout=timeout_s)
+            raise EngineError(f"engine exited ({self.proc.returncode}):\n{self.log_tail()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise EngineError(answer["error"])
+        return answer
+
+    def call(self, op: str, **args: Any) -> Any:
+        """Send one command and return its answer."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(_START_TIMEOUT_S)
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat, with the generation prompt."""
+        ids: list[int] = self.call("chat", messages=messages)["ids"]
+        return ids
+
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int = 16,
+        prompt_logprobs: int | None = None,
+        skip_reading_prefix_cache: bool | None = None,
+    ) -> dict[str, Any]:
+        """Greedy generation of one prompt: ids, text, cached tokens, seconds (and logprobs).
+
+        vLLM reads no cache (its own nor the connector's) for a request that asks for
+        prompt logprobs unless ``skip_reading_prefix_cache=False``. Then only the tokens
+        after the first computed position get prompt logprobs (vLLM leaves the others
+        unwritten; here they are None) and the output is not detokenized (text "").
+        """
+        answer = self.call(
+            "generate",
+            prompts=[prompt],
+            max_tokens=max_tokens,
+            prompt_logprobs=prompt_logprobs,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        )
+        out: dict[str, Any] = answer["outputs"][0]
+        out["seconds"] = answer["seconds"]
+        return out
+
+    def generate_many(
+        self, prompts: list[list[int]], max_tokens: int = 1, logprobs: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Greedy generation of a batch of prompts (one ``LLM.generate`` call)."""
+        answer = self.call("generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs)
+        outputs: list[dict[str, Any]] = answer["outputs"]
+        return outputs
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's counters (``vllm:*``), the connector's included."""
+        metrics: dict[str, float] = self.call("metrics")
+        return metrics
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The end of the engine's log."""
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid (None before launch and after stop)."""
+        return None if self.proc is None else self.proc.pid
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask the engine to quit (its stdin closes); kill it if it does not in time."""
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=timeout_s)
+        except (subprocess.TimeoutExpired, OSError):
+            self.proc.kill()
+            self.proc.wait()
+        if self._answers is not None:
+            self._answers.close()
+        self.proc = None
+
+
+def stop_all(procs: list[EngineProc], timeout_s: float = 30.0) -> None:
+    """Stop several engines at once: every one is asked to quit before any is waited for
+    (an engine takes seconds to shut down)."""
+    for proc in procs:
+        if proc.proc is not None and proc.proc.poll() is None and proc.proc.stdin is not None:
+            with contextlib.suppress(OSError):  # it died meanwhile: stop() reaps it
+                proc.proc.stdin.close()
+    for proc in procs:
+        proc.stop(timeout_s)
+
+
+# -- child side ---------------------------------------------------------------------------
+def _build(config: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if config["connector"] is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=config["connector_class"],
+            kv_connector_module_path=config["connector_module"],
+            kv_role="kv_both",
+            kv_connector_extra_config=config["connector"],
+        )
+    return LLM(
+        model=config["model"],
+        dtype=config["dtype"],
+        enforce_eager=True,
+        enable_prefix_caching=config["prefix_caching"],
+        max_model_len=config["max_model_len"],
+        disable_log_stats=False,
+        seed=0,
+        **kwargs,
+        **config["extra"],
+    )
+
+
+def _logprobs(entries: Any, cached: int = -1) -> list[dict[str, float] | None] | None:
+    """Token -> logprob per position; None where vLLM computed nothing.
+
+    For prompt logprobs, entry ``j`` is the distribution of token ``j`` given the tokens
+    before it, computed at position ``j - 1``: with ``cached`` tokens read from a cache the
+    first one computed is ``cached + 1`` (entries up to ``cached`` are None). Sampled
+    logprobs (one entry per generated token) pass ``cached=-1``: all of them are real.
+    """
+    if entries is None:
+        return None
+    return [
+        None if e is None or j <= cached else {str(tok): lp.logprob for tok, lp in e.items()}
+        for j, e in enumerate(entries)
+    ]
+
+
+def _serve(llm: Any, command: dict[str, Any]) -> Any:
+    from vllm import SamplingParams, TokensPrompt
+
+    op = command["op"]
+    if op == "chat":
+        tok = llm.get_tokenizer()
+        ids = tok.apply_chat_template(command["messages"], add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return {"ids": [int(i) for i in ids]}
+    if op == "generate":
+        params = SamplingParams(
+            max_tokens=command["max_tokens"],
+            temperature=0.0,
+            prompt_logprobs=command.get("prompt_logprobs"),
+            logprobs=command.get("logprobs"),
+            skip_reading_prefix_cache=command.get("skip_reading_prefix_cache"),
+            # Reading a cache with prompt logprobs: vLLM fills the rows of cached tokens
+            # with whatever memory held, ids included, which the detokenizer chokes on.
+            detokenize=command.get("skip_reading_prefix_cache") is not False,
+        )
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in command["prompts"]]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return {
+            "seconds": seconds,
+            "outputs": [
+                {
+                    "ids": list(o.outputs[0].token_ids),
+                    "text": o.outputs[0].text,
+                    "ttft": getattr(o.metrics, "first_token_latency", None),
+                    "cached": o.num_cached_tokens,
+                    "prompt_logprobs": _logprobs(o.prompt_logprobs, o.num_cached_tokens),
+                    "logprobs": _logprobs(o.outputs[0].logprobs),
+                }
+                for o in outs
+            ],
+        }
+    if op == "metrics":
+        time.sleep(0.5)  # let the last step's stats reach the frontend
+        totals: dict[str, float] = {}
+        for metric in llm.get_metrics():
+            value = getattr(metric, "value", None)
+            if isinstance(value, int | float):
+                totals[metric.name] = totals.get(metric.name, 0.0) + float(value)
+        return totals
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _child() -> None:
+    fd = int(os.environ.pop("NOPECACHE_ENGINE_FD"))
+    os.set_inheritable(fd, False)  # vLLM's own children must not hold the answer pipe
+    answers = os.fdopen(fd, "w", buffering=1)
+    try:
+        llm = _build(json.loads(sys.argv[1]))
+    except Exception as err:
+        answers.write(json.dumps({"error": f"start-up failed: {type(err).__name__}: {err}"}) + "\n")
+        raise
+    answers.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        try:
+            answer = _serve(llm, json.loads(line))
+        except Exception as err:
+            answer = {"error": f"{type(err).__name__}: {err}"}
+        answers.write(json.dumps(answer) + "\n")
+
+
+if __name__ == "__main__":
+    _child()
