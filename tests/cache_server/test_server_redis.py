@@ -15,7 +15,6 @@ from tests.support.redis_procs import RedisProc
 from tests.support.server_harness import (
     SMALL,
     STORED,
-    Harness,
     get,
     key_of,
     make_block,
@@ -30,11 +29,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 CPU = "cpu://?capacity=16KiB&page=4KiB&pinned=no"
 
 
-def sample(h: Harness, name: str, labels: dict[str, str]) -> float:
-    """One metric sample of the server (0 when absent)."""
-    return h.running.metrics.registry.get_sample_value(name, labels) or 0.0
-
-
 @pytest.mark.asyncio
 async def test_eviction_demotes_to_redis_and_a_hit_promotes_back(redis_clean: RedisProc) -> None:
     config = replace(SMALL, tiers=(CPU, redis_clean.url))
@@ -46,7 +40,7 @@ async def test_eviction_demotes_to_redis_and_a_hit_promotes_back(redis_clean: Re
         lookup = await h.stub.Lookup(pb.LookupRequest(keys=b"".join(keys)))
         assert list(lookup.tier_names) == ["cpu", "redis"]
         assert lookup.tiers == b"\x02\x01\x01\x01\x01"
-        assert sample(h, "nopecache_demotions_total", {"from_tier": "cpu", "to_tier": "redis"}) == 1
+        assert h.sample("nopecache_demotions_total", {"from_tier": "cpu", "to_tier": "redis"}) == 1
 
         got, frames = await get(h.stub, [keys[0]])
         assert got == [blobs[0]]
@@ -54,11 +48,9 @@ async def test_eviction_demotes_to_redis_and_a_hit_promotes_back(redis_clean: Re
         # The promotion of keys[0] into the CPU tier evicted keys[1], the LRU, to Redis.
         lookup = await h.stub.Lookup(pb.LookupRequest(keys=b"".join(keys)))
         assert lookup.tiers == b"\x01\x02\x01\x01\x01"
-        assert (
-            sample(h, "nopecache_promotions_total", {"from_tier": "redis", "to_tier": "cpu"}) == 1
-        )
-        assert sample(h, "nopecache_demotions_total", {"from_tier": "cpu", "to_tier": "redis"}) == 2
-        assert sample(h, "nopecache_hits_total", {"tier": "redis"}) == 1
+        assert h.sample("nopecache_promotions_total", {"from_tier": "redis", "to_tier": "cpu"}) == 1
+        assert h.sample("nopecache_demotions_total", {"from_tier": "cpu", "to_tier": "redis"}) == 2
+        assert h.sample("nopecache_hits_total", {"tier": "redis"}) == 1
 
         got, _ = await get(h.stub, keys)
         assert got == blobs
@@ -92,13 +84,13 @@ async def test_redis_down_keeps_serving_and_reports_the_tier(redis_disposable: R
         assert await status("nopecache.v1.KVCache") == SERVING
         assert await status(tier_health_name("cpu")) == SERVING
         assert await status("") == SERVING
-        assert sample(h, "nopecache_tier_healthy", {"tier": "redis"}) == 0.0
+        assert h.sample("nopecache_tier_healthy", {"tier": "redis"}) == 0.0
         stats = await h.stub.Stats(pb.StatsRequest())
         assert [(t.name, t.healthy) for t in stats.tiers] == [("cpu", True), ("redis", False)]
 
         redis_disposable.start()
         await wait_until(lambda: redis_is(SERVING), timeout_s=15.0, interval_s=0.1)
-        assert sample(h, "nopecache_tier_healthy", {"tier": "redis"}) == 1.0
+        assert h.sample("nopecache_tier_healthy", {"tier": "redis"}) == 1.0
         lookup = await h.stub.Lookup(pb.LookupRequest(keys=first + second))
         assert lookup.tiers == b"\x01\x01"
 

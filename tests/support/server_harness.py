@@ -121,6 +121,11 @@ class Harness:
         """The largest frame data the server accepts."""
         return self.config.max_frame_data_bytes
 
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One metric sample of the server (0 when absent)."""
+        value = self.running.metrics.registry.get_sample_value(name, labels or {})
+        return value or 0.0
+
 
 @pytest_asyncio.fixture
 async def harness() -> AsyncIterator[Harness]:
