@@ -9,7 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["tests.support.redis_procs", "tests.support.server_procs"]
+pytest_plugins = [
+    "tests.support.redis_procs",
+    "tests.support.server_harness",
+    "tests.support.server_procs",
+]
 
 # The interpreter must be chosen before any module defining a Triton kernel is imported.
 if not torch.cuda.is_available():

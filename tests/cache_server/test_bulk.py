@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import lz4.frame
 import pytest
-import pytest_asyncio
 import torch
 
 from nopecache.client import ClientConfig
@@ -20,45 +18,18 @@ from nopecache.client.bulk import BulkSource
 from nopecache.client.transport import ServerConnection
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.bulk import ENTRY, ERROR_CODE, MAGIC, encode_get, hello
-from nopecache.proto.contract import method_path
-from tests.cache_server.test_hardening_inflight import wait_until
-from tests.cache_server.test_server import SMALL, Harness, key_of, make_block, put, serving
-from tests.client.test_cache_client import client, config, kv, prompt
+from tests.support.bulk_wire import BOUNDED, open_bulk, recv_exact, welcomed
+from tests.support.client_harness import client, config, kv, prompt
 from tests.support.redis_procs import RedisProc
+from tests.support.server_harness import SMALL, Harness, key_of, make_block, put, serving
 from tests.support.server_procs import CacheServerProc
-
-
-@pytest_asyncio.fixture
-async def harness() -> AsyncIterator[Harness]:
-    """An in-process server with the SMALL limits."""
-    async with serving(SMALL) as h:
-        yield h
-
-
-async def open_bulk(h: Harness) -> pb.OpenBulkReply:
-    call = h.channel.unary_unary(
-        method_path("OpenBulk"),
-        request_serializer=pb.OpenBulkRequest.SerializeToString,
-        response_deserializer=pb.OpenBulkReply.FromString,
-    )
-    reply: pb.OpenBulkReply = await call(pb.OpenBulkRequest())
-    return reply
+from tests.support.waiting import wait_until
 
 
 def connect(port: int, first: bytes) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.sendall(first)
     return sock
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        part = sock.recv(n - len(out))
-        if not part:
-            break
-        out += part
-    return out
 
 
 @pytest.mark.asyncio
@@ -177,30 +148,6 @@ async def test_a_server_without_the_stream_refuses_and_the_client_uses_grpc() ->
 
 
 # -- the hardening of the gRPC Get applies to the bulk stream -------------------------------
-MiB = 1024 * 1024
-BOUNDED = replace(
-    SMALL,
-    tiers=("cpu://?capacity=64MiB&pinned=no",),
-    max_message_bytes=4 * MiB,
-    max_block_bytes=4 * MiB,
-    max_request_bytes=4 * MiB,
-    max_inflight_bytes=16 * MiB,
-    max_inflight_bytes_per_client=8 * MiB,
-    stream_idle_timeout_s=0.5,
-)
-
-
-def welcomed(reply: pb.OpenBulkReply) -> socket.socket:
-    """A bulk connection past its welcome, with a small receive buffer."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-    sock.settimeout(5)
-    sock.connect(("127.0.0.1", reply.port))
-    sock.sendall(hello(reply.ticket))
-    assert recv_exact(sock, 16) == MAGIC
-    return sock
-
-
 async def put_big(h: Harness, count: int) -> list[tuple[bytes, bytes]]:
     """``count`` blocks of about 1 MiB, stored."""
     blocks = [(key_of(i), make_block(key_of(i), tokens=4000, head_dim=64)) for i in range(count)]

@@ -15,9 +15,9 @@ import torch
 from nopecache.client.bulk import BulkSource
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.bulk import BLOCK, ENTRY, ERROR_CODE, PUT_REPLY_CODE, encode_put
-from tests.cache_server.test_bulk import BOUNDED, open_bulk, recv_exact, welcomed
-from tests.cache_server.test_hardening_inflight import wait_until
-from tests.cache_server.test_server import (
+from tests.support.bulk_wire import BOUNDED, open_bulk, recv_exact, welcomed
+from tests.support.client_harness import client, config, kv, prompt
+from tests.support.server_harness import (
     PRESENT,
     REJECTED,
     SMALL,
@@ -27,8 +27,8 @@ from tests.cache_server.test_server import (
     put,
     serving,
 )
-from tests.client.test_cache_client import client, config, kv, prompt
 from tests.support.server_procs import CacheServerProc
+from tests.support.waiting import wait_until
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]

@@ -19,11 +19,11 @@ import pytest
 from nopecache.cache_server.main import RunningServer, start_server
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
-from tests.cache_server.test_auth import TenantHarness, tenant_serving
-from tests.cache_server.test_server import SMALL, STORED, get, key_of, make_block, put
-from tests.cache_server.test_server_redis import eventually
 from tests.support.redis_procs import RedisProc
+from tests.support.server_harness import SMALL, STORED, get, key_of, make_block, put
 from tests.support.server_procs import ServerFactory
+from tests.support.tenants import TenantHarness, tenant_serving
+from tests.support.waiting import wait_until
 
 BIG_CPU = "cpu://?capacity=4MiB&page=4KiB&pinned=no"
 
@@ -92,10 +92,10 @@ async def test_redis_killed_and_restarted_under_load(redis_disposable: RedisProc
         await asyncio.sleep(0.4)
         redis_disposable.kill()
         gone.set()
-        await eventually(lambda: redis_down(h))
+        await wait_until(lambda: redis_down(h), timeout_s=15.0, interval_s=0.1)
         await asyncio.sleep(0.4)
         redis_disposable.start()
-        await eventually(lambda: redis_healthy(h))
+        await wait_until(lambda: redis_healthy(h), timeout_s=15.0, interval_s=0.1)
         await asyncio.sleep(0.3)
         stop.set()
         _, pending = await asyncio.wait(tasks, timeout=30)
@@ -260,7 +260,7 @@ async def test_slow_redis_costs_at_most_the_tier_timeout(redis_clean: RedisProc)
             assert (await stub.Lookup(pb.LookupRequest(keys=local + remote))).tiers == b"\x01\x00"
 
             proxy.delay_s = 0.0
-            await eventually(lambda: redis_healthy(h))
+            await wait_until(lambda: redis_healthy(h), timeout_s=15.0, interval_s=0.1)
             got, _ = await get(stub, [remote])
             assert got == [make_block(remote)]
     finally:

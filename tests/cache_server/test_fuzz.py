@@ -22,9 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nopecache.proto import cache_pb2 as pb
-from tests.cache_server.test_auth import ALICE, BOB
-from tests.cache_server.test_server import key_of, make_block
+from tests.support.server_harness import key_of, make_block
 from tests.support.server_procs import CacheServerProc, start_cache_servers
+from tests.support.tenants import ALICE, BOB
 
 SERVICE = "/nopecache.v1.KVCache/"
 # Statuses a request may end with; anything else (UNKNOWN, INTERNAL, UNAVAILABLE, a

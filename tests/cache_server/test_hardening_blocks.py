@@ -12,7 +12,8 @@ import pytest
 
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import StoredForm, build_block
-from tests.cache_server.test_server import (
+from tests.support.redis_procs import RedisProc
+from tests.support.server_harness import (
     REJECTED,
     SMALL,
     STORED,
@@ -23,7 +24,6 @@ from tests.cache_server.test_server import (
     put,
     serving,
 )
-from tests.support.redis_procs import RedisProc
 
 CPU = "cpu://?capacity=1MiB&page=4KiB&pinned=no"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]

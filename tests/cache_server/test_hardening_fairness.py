@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.cache_server.test_server import (
+from tests.support.server_harness import (
     SMALL,
     STORED,
     frames_of,

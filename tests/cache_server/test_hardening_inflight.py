@@ -7,8 +7,7 @@ connections. Real in-process server on loopback."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
@@ -16,7 +15,7 @@ import pytest
 
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
-from tests.cache_server.test_server import (
+from tests.support.server_harness import (
     SMALL,
     STORED,
     Harness,
@@ -26,6 +25,7 @@ from tests.cache_server.test_server import (
     put,
     serving,
 )
+from tests.support.waiting import wait_until
 
 MiB = 1024 * 1024
 EOF = grpc.aio.EOF  # type: ignore[attr-defined]  # the stubs lack it
@@ -51,13 +51,6 @@ async def stalled(frames: list[pb.PutFrame], release: asyncio.Event) -> AsyncIte
     for f in frames:
         yield f
     await release.wait()
-
-
-async def wait_until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.asyncio

@@ -19,8 +19,8 @@ from nopecache.client import shm as client_shm
 from nopecache.client.shm import Segment
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
-from tests.cache_server.test_server import frames_of, key_of, make_block
 from tests.support.redis_procs import free_ports
+from tests.support.server_harness import frames_of, key_of, make_block
 from tests.support.server_procs import CacheServerProc
 
 

@@ -16,8 +16,8 @@ import pytest
 from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.tenants import QuotaLedger, Tenant
 from nopecache.proto import cache_pb2 as pb
-from tests.cache_server.test_auth import ALICE, AUTH, BOB, tenant_serving
-from tests.cache_server.test_server import REJECTED, STORED, key_of, make_block, put
+from tests.support.server_harness import REJECTED, STORED, key_of, make_block, put
+from tests.support.tenants import ALICE, AUTH, BOB, tenant_serving
 
 PAGE = 16 * 1024
 # Sixteen 16 KiB pages.

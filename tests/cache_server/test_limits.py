@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
@@ -16,8 +16,8 @@ import pytest
 
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
-from tests.cache_server.test_auth import ALICE, AUTH, BOB, TenantHarness, rpc_code, tenant_serving
-from tests.cache_server.test_server import (
+from tests.support.redis_procs import RedisProc
+from tests.support.server_harness import (
     SMALL,
     STORED,
     digest,
@@ -27,19 +27,11 @@ from tests.cache_server.test_server import (
     make_block,
     put,
 )
-from tests.support.redis_procs import RedisProc
+from tests.support.tenants import ALICE, AUTH, BOB, TenantHarness, rpc_code, tenant_serving
+from tests.support.waiting import wait_until
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-async def wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll ``check`` until true; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {timeout_s}s")
-        await asyncio.sleep(0.01)
 
 
 def held_put(
@@ -64,7 +56,7 @@ async def test_a_tenant_over_its_stream_limit_is_refused_and_others_are_not() ->
         limiter = h.running.gate.limiter
         release = asyncio.Event()
         held = [held_put(alice, release, key_of(i)) for i in range(2)]
-        await wait_for(lambda: limiter.in_flight("alice") == 2)
+        await wait_until(lambda: limiter.in_flight("alice") == 2, timeout_s=10.0)
 
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await alice.Lookup(pb.LookupRequest(keys=key_of(0)))
@@ -106,7 +98,7 @@ async def test_without_auth_the_limit_is_per_connection() -> None:
             idle = cache_pb2_grpc.KVCacheStub(channel)
             release = asyncio.Event()
             call = held_put(busy, release, key_of(1))
-            await wait_for(lambda: h.running.gate.limiter.in_flight() == 1)
+            await wait_until(lambda: h.running.gate.limiter.in_flight() == 1, timeout_s=10.0)
             assert await rpc_code(lambda: busy.Stats(pb.StatsRequest())) == EXHAUSTED
             assert await rpc_code(lambda: idle.Stats(pb.StatsRequest())) == grpc.StatusCode.OK
             release.set()
@@ -135,7 +127,7 @@ async def test_a_message_over_max_message_bytes_is_refused_and_stores_nothing() 
                 pb.PutFrame(data=bytes(SMALL.max_message_bytes + 10)),
             ]
             assert await rpc_code(lambda: stub.Put(_aiter(frames))) == EXHAUSTED
-            await wait_for(lambda: h.running.gate.limiter.in_flight() == 0)
+            await wait_until(lambda: h.running.gate.limiter.in_flight() == 0, timeout_s=10.0)
             assert await digest(stub, [key_of(1), key_of(2)]) == before
 
 
@@ -150,10 +142,10 @@ async def test_a_put_cancelled_by_the_client_stores_nothing() -> None:
         stub = h.stub(None)
         release = asyncio.Event()
         call = held_put(stub, release, key_of(3))
-        await wait_for(lambda: h.running.gate.limiter.in_flight() == 1)
+        await wait_until(lambda: h.running.gate.limiter.in_flight() == 1, timeout_s=10.0)
         await asyncio.sleep(0.05)  # the block has reached the server
         call.cancel()
-        await wait_for(lambda: h.running.gate.limiter.in_flight() == 0)
+        await wait_until(lambda: h.running.gate.limiter.in_flight() == 0, timeout_s=10.0)
         assert (await stub.Lookup(pb.LookupRequest(keys=key_of(3)))).tiers == b"\x00"
 
 
@@ -171,7 +163,7 @@ async def test_a_put_past_its_deadline_stores_nothing() -> None:
             await asyncio.sleep(30)
 
         assert await rpc_code(lambda: stub.Put(stalls(), timeout=0.3)) == DEADLINE
-        await wait_for(lambda: h.running.gate.limiter.in_flight() == 0)
+        await wait_until(lambda: h.running.gate.limiter.in_flight() == 0, timeout_s=10.0)
         lookup = await stub.Lookup(pb.LookupRequest(keys=b"".join(keys)))
         assert lookup.tiers == b"\x00\x00"
 
@@ -211,5 +203,5 @@ async def _get_stops_at_its_deadline(
     assert err.value.code() == DEADLINE
     assert [f.index for f in frames] == list(range(8))
     # The server dropped the call too: nothing is left in flight although Redis still hangs.
-    await wait_for(lambda: h.running.gate.limiter.in_flight() == 0, timeout_s=5.0)
+    await wait_until(lambda: h.running.gate.limiter.in_flight() == 0, timeout_s=5.0)
     assert time.monotonic() - started < 10.0

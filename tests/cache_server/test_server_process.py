@@ -21,7 +21,7 @@ import pytest
 from nopecache.cache_server.config import ServerConfig, flag_name
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
-from tests.cache_server.test_server import PRESENT, STORED, get, key_of, make_block, put
+from tests.support.server_harness import PRESENT, STORED, get, key_of, make_block, put
 
 _LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(metrics 127\.0\.0\.1:(\d+);")
 _START_TIMEOUT_S = 30.0

@@ -3,9 +3,6 @@ gRPC, and a Redis that dies and comes back while the server keeps serving."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import grpc
@@ -14,36 +11,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nopecache.cache_server.main import tier_health_name
 from nopecache.proto import cache_pb2 as pb
-from tests.cache_server.test_server import (
+from tests.support.redis_procs import RedisProc
+from tests.support.server_harness import (
     SMALL,
     STORED,
-    Harness,
     get,
     key_of,
     make_block,
     put,
     serving,
 )
-from tests.support.redis_procs import RedisProc
+from tests.support.waiting import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Four 4 KiB pages: each test block takes one, so the fifth put evicts.
 CPU = "cpu://?capacity=16KiB&page=4KiB&pinned=no"
-
-
-def sample(h: Harness, name: str, labels: dict[str, str]) -> float:
-    """One metric sample of the server (0 when absent)."""
-    return h.running.metrics.registry.get_sample_value(name, labels) or 0.0
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 15.0) -> None:
-    """Poll ``check`` until it is true; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {timeout_s}s")
-        await asyncio.sleep(0.1)
 
 
 @pytest.mark.asyncio
@@ -57,7 +40,7 @@ async def test_eviction_demotes_to_redis_and_a_hit_promotes_back(redis_clean: Re
         lookup = await h.stub.Lookup(pb.LookupRequest(keys=b"".join(keys)))
         assert list(lookup.tier_names) == ["cpu", "redis"]
         assert lookup.tiers == b"\x02\x01\x01\x01\x01"
-        assert sample(h, "nopecache_demotions_total", {"from_tier": "cpu", "to_tier": "redis"}) == 1
+        assert h.sample("nopecache_demotions_total", {"from_tier": "cpu", "to_tier": "redis"}) == 1
 
         got, frames = await get(h.stub, [keys[0]])
         assert got == [blobs[0]]
@@ -65,11 +48,9 @@ async def test_eviction_demotes_to_redis_and_a_hit_promotes_back(redis_clean: Re
         # The promotion of keys[0] into the CPU tier evicted keys[1], the LRU, to Redis.
         lookup = await h.stub.Lookup(pb.LookupRequest(keys=b"".join(keys)))
         assert lookup.tiers == b"\x01\x02\x01\x01\x01"
-        assert (
-            sample(h, "nopecache_promotions_total", {"from_tier": "redis", "to_tier": "cpu"}) == 1
-        )
-        assert sample(h, "nopecache_demotions_total", {"from_tier": "cpu", "to_tier": "redis"}) == 2
-        assert sample(h, "nopecache_hits_total", {"tier": "redis"}) == 1
+        assert h.sample("nopecache_promotions_total", {"from_tier": "redis", "to_tier": "cpu"}) == 1
+        assert h.sample("nopecache_demotions_total", {"from_tier": "cpu", "to_tier": "redis"}) == 2
+        assert h.sample("nopecache_hits_total", {"tier": "redis"}) == 1
 
         got, _ = await get(h.stub, keys)
         assert got == blobs
@@ -88,7 +69,7 @@ async def test_redis_down_keeps_serving_and_reports_the_tier(redis_disposable: R
         async def redis_is(expected: int) -> bool:
             return await status(tier_health_name("redis")) == expected
 
-        await eventually(lambda: redis_is(SERVING))
+        await wait_until(lambda: redis_is(SERVING), timeout_s=15.0, interval_s=0.1)
         first = key_of(1)
         await put(h.stub, [(first, make_block(first))], h.frame_bytes)
 
@@ -99,17 +80,17 @@ async def test_redis_down_keeps_serving_and_reports_the_tier(redis_disposable: R
         assert [r.outcome for r in results] == [STORED]
         got, _ = await get(h.stub, [first, second, key_of(3)])
         assert got == [make_block(first), make_block(second), None]
-        await eventually(lambda: redis_is(NOT_SERVING))
+        await wait_until(lambda: redis_is(NOT_SERVING), timeout_s=15.0, interval_s=0.1)
         assert await status("nopecache.v1.KVCache") == SERVING
         assert await status(tier_health_name("cpu")) == SERVING
         assert await status("") == SERVING
-        assert sample(h, "nopecache_tier_healthy", {"tier": "redis"}) == 0.0
+        assert h.sample("nopecache_tier_healthy", {"tier": "redis"}) == 0.0
         stats = await h.stub.Stats(pb.StatsRequest())
         assert [(t.name, t.healthy) for t in stats.tiers] == [("cpu", True), ("redis", False)]
 
         redis_disposable.start()
-        await eventually(lambda: redis_is(SERVING))
-        assert sample(h, "nopecache_tier_healthy", {"tier": "redis"}) == 1.0
+        await wait_until(lambda: redis_is(SERVING), timeout_s=15.0, interval_s=0.1)
+        assert h.sample("nopecache_tier_healthy", {"tier": "redis"}) == 1.0
         lookup = await h.stub.Lookup(pb.LookupRequest(keys=first + second))
         assert lookup.tiers == b"\x01\x01"
 
@@ -128,9 +109,9 @@ async def test_redis_only_server_is_not_serving_while_redis_is_down(
             )
             return reply.status == expected
 
-        await eventually(lambda: service_is(SERVING))
+        await wait_until(lambda: service_is(SERVING), timeout_s=15.0, interval_s=0.1)
         redis_disposable.kill()
-        await eventually(lambda: service_is(NOT_SERVING))
+        await wait_until(lambda: service_is(NOT_SERVING), timeout_s=15.0, interval_s=0.1)
         key = key_of(5)
         results = await put(h.stub, [(key, make_block(key))], h.frame_bytes)
         assert [(r.outcome, r.code) for r in results] == [

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from nopecache.proto import cache_pb2 as pb
-from tests.cache_server.test_server import (
+from tests.support.server_harness import (
     PRESENT,
     REJECTED,
     SMALL,

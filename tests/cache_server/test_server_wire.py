@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.frames import WireError, decode_put_frame, encode_get_frame
 from nopecache.proto.wire import encode_varint
-from tests.cache_server.test_server import SMALL, digest, key_of, make_block, serving
+from tests.support.server_harness import SMALL, digest, key_of, make_block, serving
 
 U32 = st.integers(min_value=0, max_value=2**32 - 1)
 U64 = st.integers(min_value=0, max_value=2**64 - 1)

@@ -24,8 +24,8 @@ from nopecache.cache_server.tenants import (
 )
 from nopecache.cache_server.tiers.cpu import CpuTier
 from nopecache.proto import cache_pb2 as pb
-from tests.cache_server.test_auth import ALICE, AUTH, BOB, tenant_serving
-from tests.cache_server.test_server import PRESENT, REJECTED, STORED, get, key_of, make_block, put
+from tests.support.server_harness import PRESENT, REJECTED, STORED, get, key_of, make_block, put
+from tests.support.tenants import ALICE, AUTH, BOB, tenant_serving
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 

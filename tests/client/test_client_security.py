@@ -1,8 +1,8 @@
 """The client against secured servers: TLS and mutual TLS channels, bearer tokens on every
 call, tenants kept apart, and refusals (wrong token, busy server) as misses, never raised.
 
-Real ``python -m nopecache.cache_server`` processes on loopback with a throwaway PKI (the
-one test_tls builds); the client under test is the synchronous :class:`CacheClient`.
+Real ``python -m nopecache.cache_server`` processes on loopback with a throwaway PKI
+(tests/support/tls_ca.py); the client under test is the synchronous :class:`CacheClient`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from nopecache.client import CacheClient, InvalidArgumentError
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import StoredForm
-from tests.cache_server.test_tls import Issued, TestCa
-from tests.client.test_cache_client import CHUNKER, DIM, PREFIX_BLOCK, SPEC, fingerprint, kv, prompt
+from tests.support.client_harness import CHUNKER, DIM, PREFIX_BLOCK, SPEC, fingerprint, kv, prompt
 from tests.support.redis_procs import free_ports
 from tests.support.server_procs import CacheServerProc
+from tests.support.tls_ca import Issued, TestCa
 
 ALICE = "alice-token-5b1e9d3c7a2f4068"
 ALICE_2 = "alice-second-token-0d4c8b2a6e"  # a second token of the same tenant
@@ -155,7 +155,7 @@ def url(server: CacheServerProc, namespace: str, *, tls: bool = False, **params:
 
 
 def client(config_url: str) -> CacheClient:
-    """A CacheClient of test_cache_client's tiny model, prefix blocks stored post-RoPE."""
+    """A CacheClient of client_harness's tiny model, prefix blocks stored post-RoPE."""
     return CacheClient(
         config_url,
         fingerprint=fingerprint(StoredForm.ROPE),

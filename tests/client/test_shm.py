@@ -24,38 +24,29 @@ import torch
 
 from nopecache.cache_server.shm import ShmLimits, ShmRequestError, ShmSessions
 from nopecache.client import (
-    CacheClient,
-    ClientConfig,
-    ContentChunker,
     FetchResult,
     InvalidArgumentError,
-    ModelFingerprint,
     PagedKV,
 )
 from nopecache.client import shm as client_shm
-from nopecache.client.cost import CostConfig
 from nopecache.client.shm import Segment, ShmFastPath, sweep_orphans
 from nopecache.client.transport import ServerConnection
-from nopecache.kernels import RopeSpec
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import StoredForm, encode_block
 from tests.support.server_procs import CacheServerProc, start_cache_servers
-
-LAYERS, HEADS, DIM = 2, 2, 128
-SPEC = RopeSpec.default(DIM)
-FP = ModelFingerprint.from_rope_spec(
-    model="tiny-shm",
-    revision="1",
-    num_layers=LAYERS,
-    num_kv_heads=HEADS,
-    dtype=torch.float32,
-    form=StoredForm.NOPE,
-    rope=SPEC,
+from tests.support.shm_client import (
+    BIG,
+    BIG_TOKENS,
+    DIM,
+    FP,
+    HEADS,
+    LAYERS,
+    SEGMENT,
+    client,
+    config,
+    kv,
+    prompt,
 )
-PREFIX_BLOCK = 256  # 1 MiB of K and V per prefix block
-BIG_TOKENS = 12 * PREFIX_BLOCK  # 12 MiB: more than a minimum-size (8 MiB) segment
-SEGMENT = client_shm.MIN_SEGMENT_BYTES
-CHUNKER = ContentChunker(min_size=8, avg_size=32, max_size=64)
 
 
 def prefix() -> str:
@@ -93,44 +84,6 @@ def line_is_deleted(pid: int, path: str) -> bool:
     return any(line.endswith(f"{path} (deleted)") for line in _held(pid))
 
 
-def config(server: CacheServerProc | str, shm: str = "auto") -> ClientConfig:
-    """Cost model off (plans do not depend on timings), generous deadlines for 2 busy cores."""
-    return ClientConfig(
-        servers=(server if isinstance(server, str) else server.address,),
-        cost=CostConfig(enabled=False),
-        get_timeout_s=30.0,
-        put_timeout_s=30.0,
-        namespace="shm-tests",
-        shm=shm,  # type: ignore[arg-type]
-    )
-
-
-def client(cfg: ClientConfig, fast_path: ShmFastPath | None = None) -> CacheClient:
-    """A client of the tiny model (explicit fast path, or what ``cfg.shm`` wires in)."""
-    return CacheClient(
-        cfg,
-        fingerprint=FP,
-        rope=SPEC,
-        v_head_dim=DIM,
-        prefix_block_tokens=PREFIX_BLOCK,
-        chunker=CHUNKER,
-        fast_path=fast_path,
-    )
-
-
-def prompt(n: int, seed: int) -> torch.Tensor:
-    """``n`` token ids."""
-    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random K and V ``[layers, n, heads, dim]``."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (LAYERS, n, HEADS, DIM)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-
-
-BIG = prompt(BIG_TOKENS, seed=7)
 BIG_KV = kv(BIG_TOKENS, seed=7)
 SMALL = prompt(700, seed=8)
 SMALL_KV = kv(700, seed=8)
@@ -337,7 +290,7 @@ CHILD = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {root!r})
-    from tests.client.test_shm import BIG, SEGMENT, client, config
+    from tests.support.shm_client import BIG, SEGMENT, client, config
     from nopecache.client.shm import ShmFastPath
     fast = ShmFastPath("auto", segment_bytes=SEGMENT, name_prefix={prefix!r})
     c = client(config({address!r}), fast)

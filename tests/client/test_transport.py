@@ -7,7 +7,6 @@ import asyncio
 import time
 
 import pytest
-import xxhash
 
 from nopecache.client.buffers import BufferPool
 from nopecache.client.config import ClientConfig, RetryPolicy
@@ -15,15 +14,11 @@ from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.metrics import ClientMetrics
 from nopecache.client.transport import ServerConnection, StoreStatus
 from nopecache.proto.block import StoredForm, build_block
+from tests.support.server_harness import key_of
 from tests.support.server_procs import CacheServerProc, ServerFactory
 
 # Small frames so that blocks of a few KiB travel in several frames.
 SMALL_FRAMES = ["--max-message-bytes", "64KiB", "--max-keys-per-request", "3"]
-
-
-def key_of(i: int) -> bytes:
-    """A deterministic 16-byte key."""
-    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
 
 
 def blob_of(key: bytes, tokens: int) -> bytes:

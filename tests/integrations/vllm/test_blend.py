@@ -2,7 +2,7 @@
 real engines).
 
 The scheduler and worker halves run against a real server with the inputs vLLM gives them
-(requests with token ids and block hashes, a paged cache), as in test_vllm_halves.py.
+(requests with token ids and block hashes, a paged cache), as in test_halves.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from nopecache.integrations.vllm.blend import (
 from nopecache.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from nopecache.proto.block import StoredForm
 from nopecache.recompute.policies import DEFAULT_POLICY, first_k
-from tests.integrations.vllm.test_halves import BS, _Engine, _request
 from tests.support.server_procs import CacheServerProc
+from tests.support.vllm_halves import BS, _Engine, _request
 
 URL = "nopecache://127.0.0.1:1"
 SMALL_CHUNKS = "?lookup_timeout=300ms&chunk_min_tokens=2&chunk_avg_tokens=4&chunk_max_tokens=8"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from nopecache.integrations.vllm.config import ConnectorConfig
 from nopecache.integrations.vllm.metadata import StepReport
 from nopecache.integrations.vllm.scheduler import SchedulerSide
-from tests.integrations.vllm.test_halves import _identity
+from tests.support.vllm_halves import _identity
 
 
 def test_prefill_rate_sums_the_forward_times_of_successive_steps() -> None:

@@ -1,0 +1,113 @@
+"""The vLLM connector's two halves without vLLM, for tests: a tiny Llama's identity, one
+engine's scheduler and worker halves over a real server with CPU paged caches, and a
+request as vLLM hands it over (token ids and block hashes).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import LlamaConfig
+
+from nopecache.client import CacheClient, ModelFingerprint
+from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
+from nopecache.integrations.vllm.scheduler import SchedulerSide
+from nopecache.integrations.vllm.worker import WorkerSide
+from nopecache.kernels import RopeSpec
+from nopecache.proto.block import StoredForm
+from tests.support.server_procs import CacheServerProc
+
+LAYERS, HEADS, DIM, BS, NB = 2, 2, 8, 4, 12
+
+
+def _identity() -> ModelIdentity:
+    config = LlamaConfig(
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=HEADS,
+        hidden_size=32,
+        head_dim=DIM,
+    )
+    rope = RopeSpec.from_hf_config(config)
+    fp = ModelFingerprint.from_rope_spec(
+        model="tiny-llama",
+        revision="",
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        dtype=torch.float32,
+        form=StoredForm.ROPE,
+        rope=rope,
+    )
+    return ModelIdentity(fingerprint=fp, rope=rope, v_head_dim=DIM, block_size=BS)
+
+
+class _Engine:
+    """One engine's two halves, its client and its paged caches (random contents)."""
+
+    def __init__(
+        self,
+        server: CacheServerProc,
+        seed: int,
+        query: str = "?lookup_timeout=300ms",
+        blend_unsupported: str | None = None,
+        **extra: Any,
+    ) -> None:
+        model = _identity()
+        self.config = ConnectorConfig.from_extra_config(
+            {"url": f"nopecache://{server.address}{query}", **extra}
+        )
+        self.client = CacheClient(
+            self.config.client,
+            fingerprint=model.fingerprint,
+            rope=model.rope,
+            v_head_dim=DIM,
+            prefix_block_tokens=BS,
+        )
+        gen = torch.Generator().manual_seed(seed)
+        self.caches = {
+            f"model.layers.{i}.self_attn.attn": torch.randn(2, NB, BS, HEADS, DIM, generator=gen)
+            for i in reversed(range(LAYERS))  # registration order must not matter
+        }
+        self.scheduler = SchedulerSide(self.config, model, self.client, blend_unsupported)
+        self.worker = WorkerSide(self.config, model, self.client)
+        self.worker.register(self.caches)
+
+    def cache(self, layer: int) -> torch.Tensor:
+        return self.caches[f"model.layers.{layer}.self_attn.attn"]
+
+    def step(self, request: Any, block_ids: list[int], computed: int) -> Any:
+        """Schedule the whole prompt of ``request`` in one step; run load and save."""
+        claimed = self.scheduler.matched_tokens(request, computed)
+        self.scheduler.after_alloc(request, block_ids, claimed)
+        n = len(request.prompt_token_ids)
+        output = SimpleNamespace(
+            scheduled_new_reqs=[
+                SimpleNamespace(
+                    req_id=request.request_id,
+                    block_ids=(block_ids,),
+                    num_computed_tokens=computed + claimed,
+                )
+            ],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+            ),
+            num_scheduled_tokens={request.request_id: n - computed - claimed},
+            total_num_scheduled_tokens=n - computed - claimed,
+        )
+        plan = self.scheduler.build_step(output)
+        self.worker.begin_step()
+        self.worker.load(plan)
+        self.worker.save(plan)
+        self.client.drain()
+        return SimpleNamespace(claimed=claimed, plan=plan)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.client.close()
+
+
+def _request(req_id: str, tokens: list[int]) -> Any:
+    hashes = [f"h{tuple(tokens[: (i + 1) * BS])}".encode() for i in range(len(tokens) // BS)]
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, block_hashes=hashes)
