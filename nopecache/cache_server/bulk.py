@@ -245,11 +245,13 @@ class BulkServer:
         """Answer one GET: an ENTRY and the bytes of each key, in order (``GetRules.into``:
         each block reserved in ``lease`` while it is sent, copied into ``buffer``)."""
         keys = self._gets.keys(packed, "GET keys", tenant.namespace)
+        entries = self._gets.into(tenant, keys, lease, buffer)
         with self._metrics.latency["Get"].time():
-            async for code, size in self._gets.into(tenant, keys, lease, buffer):
-                await self._send(loop, conn, lease, ENTRY.pack(code, size))
-                if size:
-                    await self._send(loop, conn, lease, memoryview(buffer.data)[:size])
+            async with contextlib.aclosing(entries):
+                async for code, size in entries:
+                    await self._send(loop, conn, lease, ENTRY.pack(code, size))
+                    if size:
+                        await self._send(loop, conn, lease, memoryview(buffer.data)[:size])
 
     @staticmethod
     async def _recv(

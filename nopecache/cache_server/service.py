@@ -53,6 +53,7 @@ are passed to the server by ``main.start_server``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import NoReturn
@@ -293,23 +294,26 @@ class KVCacheService:
                 await self._abort(context, "Get", r)
             limit = self._config.max_frame_data_bytes
             names: Sequence[bytes] = self._encoded_names
+            entries = self.gets.windows(tenant, keys, lease)
+            # aclosing: a stream cut while a window is held drops its blocks at once.
             with target:  # the shared-memory window (if any) is written only inside
-                async for index, code, blob in self.gets.windows(tenant, keys, lease):
-                    if blob is None:
-                        yield encode_get_frame(index, 0, 0, b"", names)
+                async with contextlib.aclosing(entries):
+                    async for index, code, blob in entries:
+                        if blob is None:
+                            yield encode_get_frame(index, 0, 0, b"", names)
+                            names = ()
+                            continue
+                        size = len(blob)
+                        at = target.place(blob)
+                        if at is not None:
+                            yield encode_get_frame(index, code, size, b"", names, (at, size))
+                            names = ()
+                            continue
+                        view = memoryview(blob)
+                        yield encode_get_frame(index, code, size, view[:limit], names)
                         names = ()
-                        continue
-                    size = len(blob)
-                    at = target.place(blob)
-                    if at is not None:
-                        yield encode_get_frame(index, code, size, b"", names, (at, size))
-                        names = ()
-                        continue
-                    view = memoryview(blob)
-                    yield encode_get_frame(index, code, size, view[:limit], names)
-                    names = ()
-                    for offset in range(limit, size, limit):
-                        yield encode_get_frame(index, 0, 0, view[offset : offset + limit], ())
+                        for offset in range(limit, size, limit):
+                            yield encode_get_frame(index, 0, 0, view[offset : offset + limit], ())
 
     async def AttachShm(
         self, request: pb.AttachShmRequest | MalformedRequest, context: grpc.aio.ServicerContext

@@ -20,7 +20,7 @@ are counted here once the last entry is taken.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class GetRules:
 
     async def windows(
         self, tenant: Tenant, keys: Sequence[bytes], lease: Lease
-    ) -> AsyncIterator[tuple[int, int, bytes | None]]:
+    ) -> AsyncGenerator[tuple[int, int, bytes | None], None]:
         """(index, tier code, bytes or None for a miss) per key, read a window at a time,
         each window reserved in ``lease`` until the next is read. Raises Refusal."""
         codes = self._codes
@@ -121,7 +121,7 @@ class GetRules:
 
     async def into(
         self, tenant: Tenant, keys: Sequence[bytes], lease: Lease, buffer: SendBuffer
-    ) -> AsyncIterator[tuple[int, int]]:
+    ) -> AsyncGenerator[tuple[int, int], None]:
         """(tier code, size) per key, its bytes in ``buffer.data[:size]`` (0, 0 for a
         miss) until the next entry is asked for; each block reserved in ``lease`` while
         it is taken. Raises Refusal."""

@@ -81,6 +81,8 @@ FRAME_WORDING = PutWording(
 """The gRPC Put stream's wording (fields of PutFrame)."""
 
 BULK_WORDING = PutWording(
+    # bad_key and too_many never apply to a bulk PUT (BLOCK fixes the key length, and
+    # the block count is checked from the PUT's head first); worded for completeness.
     block="PUT block #{position}",
     bad_key="PUT block #{position}: key is {length} bytes, not {limit}",
     too_many="PUT block count: more than max_keys_per_request {limit} blocks",

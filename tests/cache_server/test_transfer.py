@@ -6,8 +6,10 @@ Real components: a CPU tier, the server's quota ledger, verifier and in-flight b
 
 from __future__ import annotations
 
+import ast
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -320,3 +322,19 @@ async def test_a_get_yields_exactly_what_the_grpc_path_sends() -> None:
     finally:
         await channel.close(None)
         await running.stop(grace_s=1.0)
+
+
+@pytest.mark.parametrize("module", ["transfer_put", "transfer_get", "refusal"])
+def test_the_rules_import_no_transport(module: str) -> None:
+    # The rules speak domain values: no gRPC, no protobuf messages, no sockets.
+    path = Path(__file__).parents[2] / "nopecache" / "cache_server" / f"{module}.py"
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+    transports = {"grpc", "socket", "nopecache.proto.cache_pb2", "nopecache.proto.cache_pb2_grpc"}
+    assert imported & transports == set()
+    assert not any(name.startswith("grpc") for name in imported)
