@@ -11,10 +11,12 @@ with ``recv_into`` straight into a pooled buffer. A PUT's blocks arrive with
 Control stays on gRPC: ``OpenBulk`` (authenticated like every call, so it knows the
 tenant) issues a one-use ticket valid for ``TICKET_TTL_S``; the connection presents it
 first and serves that tenant's keys from then on, one request at a time, with the same
-checks as the gRPC calls: a GET's key count (sizes are the tier's own; blocks of
-untrusted tiers verified by the store); a PUT's block count, sizes and total, then each
-block through the service's own ``check_block`` and the whole PUT through its
-``store_staged`` (verification, quotas, metrics: one code path for both transports).
+rules as the gRPC calls, because it is a codec over the same transfer rules: a GET is
+``GetRules.into`` (transfer_get.py; sizes are the tier's own, blocks of untrusted tiers
+verified by the store), a PUT a ``PutIntake`` (transfer_put.py: block count, sizes and
+total, verification, quotas, metrics). A request-level :class:`~.refusal.Refusal` is
+answered with an ERROR naming the field (in ``_serve``, the one place), then the
+connection closes.
 Only plaintext servers offer it (with TLS the bytes would leave the encrypted channel);
 the listener binds the gRPC host on an ephemeral port, starts on the first OpenBulk and
 holds at most ``MAX_CONNECTIONS`` connections.
@@ -40,13 +42,14 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import Protocol
 
-from nopecache.cache_server.config import ServerConfig
-from nopecache.cache_server.inflight import InflightBudget, Lease, StreamCut
+from nopecache.cache_server.codes import put_reply
+from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
-from nopecache.cache_server.store import TieredStore
-from nopecache.cache_server.tenants import Tenant, namespaced_keys
+from nopecache.cache_server.refusal import Refusal
+from nopecache.cache_server.tenants import Tenant
+from nopecache.cache_server.transfer_get import GetRules, SendBuffer
+from nopecache.cache_server.transfer_put import BULK_WORDING, PutRules
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.bulk import (
     BLOCK,
@@ -60,7 +63,7 @@ from nopecache.proto.bulk import (
 )
 from nopecache.proto.contract import KEY_BYTES
 
-__all__ = ["MAX_CONNECTIONS", "TICKET_TTL_S", "BulkServer", "PutIntake", "Staged"]
+__all__ = ["MAX_CONNECTIONS", "TICKET_TTL_S", "BulkServer"]
 
 log = logging.getLogger(__name__)
 
@@ -68,57 +71,28 @@ TICKET_TTL_S = 30.0
 MAX_CONNECTIONS = 256
 _HELLO_TIMEOUT_S = 10.0
 
-Staged = list[tuple[int, bytes, memoryview | bytes]]
-"""The valid blocks of one Put as (position, key, blob), none of them stored yet."""
-
-
-class PutIntake(Protocol):
-    """What stores a PUT: the service's checks and store step (service.KVCacheService)."""
-
-    async def check_block(
-        self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
-    ) -> None: ...
-
-    async def store_staged(
-        self, tenant: Tenant, results: list[pb.PutResult], staged: Staged
-    ) -> pb.PutReply: ...
-
-
-class _Refused(Exception):
-    """A request the connection answers with an ERROR (then closes): reason, message."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
 
 class BulkServer:
     """The bulk listener of one server (see the module docstring)."""
 
     def __init__(
         self,
-        store: TieredStore,
         metrics: ServerMetrics,
         *,
         host: str,
-        config: ServerConfig,
-        codes: dict[str | None, int],
         inflight: InflightBudget,
-        intake: PutIntake,
+        puts: PutRules,
+        gets: GetRules,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """A listener (not started) serving ``store`` on ``host`` within ``config``'s
-        request limits, its block bytes in flight bounded by ``inflight`` (the service's
-        budget), PUTs stored by ``intake``."""
-        self._store = store
+        """A listener (not started) on ``host`` speaking the transfer rules ``puts`` and
+        ``gets`` (the service's), its block bytes in flight bounded by ``inflight`` (the
+        service's budget)."""
         self._metrics = metrics
         self._inflight = inflight
-        self._intake = intake
+        self._puts = puts
+        self._gets = gets
         self._host = host
-        self._config = config
-        self._max_keys = config.max_keys_per_request
-        self._codes = codes
         self._clock = clock
         self._tickets: dict[bytes, tuple[Tenant, float]] = {}
         self._listener: socket.socket | None = None
@@ -186,7 +160,7 @@ class BulkServer:
             owner = tenant.name if tenant.namespace else _peer(conn)
             with self._inflight.lease(owner) as lease:
                 await self._requests(loop, conn, tenant, lease)
-        except (StreamCut, _Refused) as refused:
+        except Refusal as refused:  # its bulk form: an ERROR carrying the message
             self._metrics.rejected("Bulk", refused.reason)
             with contextlib.suppress(OSError):
                 await _send_error(loop, conn, refused.message)
@@ -208,20 +182,17 @@ class BulkServer:
         lease.watch(cut)
         # The connection's send buffer: each block is copied into it by the tier
         # (get_into, no blob allocated per block) and sent before the next is read.
-        buffer = bytearray()
+        buffer = SendBuffer()
         while True:
             head = await _recv_exact(loop, conn, COUNT.size, eof_ok=True)
             if not head:
                 return
             (word,) = COUNT.unpack(head)
             put, count = bool(word & PUT_FLAG), word & ~PUT_FLAG
-            what = "PUT block count" if put else "GET key count"
-            if count > self._max_keys:
-                raise _Refused(
-                    "too_many_keys",
-                    f"{what}: {count} {'blocks' if put else 'keys'} exceeds "
-                    f"max_keys_per_request {self._max_keys}",
-                )
+            if put:
+                self._gets.check_count(count, "PUT block count", "blocks")
+            else:
+                self._gets.check_count(count, "GET key count")
             try:
                 if put:
                     reply = await self._put(loop, conn, tenant, count, lease)
@@ -230,7 +201,7 @@ class BulkServer:
                     await self._send(loop, conn, lease, data)
                 else:
                     packed = await _recv_exact(loop, conn, count * KEY_BYTES)
-                    buffer = await self._get(loop, conn, tenant, packed, buffer, lease)
+                    await self._get(loop, conn, tenant, packed, buffer, lease)
             except asyncio.CancelledError:
                 if not lease.stalled:
                     raise
@@ -251,33 +222,16 @@ class BulkServer:
         lease: Lease,
     ) -> pb.PutReply:
         """Receive one PUT's ``count`` blocks, each checked as it completes, then store
-        them as a gRPC Put would (nothing is stored before the last block is in)."""
-        config = self._config
-        results: list[pb.PutResult] = []
-        staged: Staged = []
-        total = 0
+        them (nothing is stored before the last block is in)."""
+        intake = self._puts.intake(tenant, lease, BULK_WORDING)
         with self._metrics.latency["Put"].time():
-            for position in range(count):
+            for _ in range(count):
                 size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
-                if not 0 < size <= config.max_block_bytes:
-                    raise _Refused(
-                        "block_too_large" if size else "bad_framing",
-                        f"PUT block #{position}: size {size} outside (0, max_block_bytes "
-                        f"{config.max_block_bytes}]",
-                    )
-                total += size
-                if total > config.max_request_bytes:
-                    raise _Refused(
-                        "request_too_large",
-                        f"PUT block #{position}: the blocks add up to {total} bytes, over "
-                        f"max_request_bytes {config.max_request_bytes}",
-                    )
-                await lease.reserve(size, f"PUT block #{position}")
+                await intake.open_block(key, size)
                 blob = bytearray(size)
                 await self._recv_into(loop, conn, lease, memoryview(blob))
-                results.append(pb.PutResult(key=key))
-                await self._intake.check_block(key, memoryview(blob), results, staged)
-            return await self._intake.store_staged(tenant, results, staged)
+                await intake.complete(key, memoryview(blob))
+            return put_reply(await intake.finish())
 
     async def _get(
         self,
@@ -285,40 +239,19 @@ class BulkServer:
         conn: socket.socket,
         tenant: Tenant,
         packed: bytes,
-        buffer: bytearray,
+        buffer: SendBuffer,
         lease: Lease,
-    ) -> bytearray:
-        """Answer one GET: an ENTRY and the bytes of each key, in order, each block
-        reserved in ``lease`` while it is sent; the send buffer (grown to the largest
-        block seen)."""
-        keys = (
-            namespaced_keys(tenant.namespace, packed)
-            if tenant.namespace
-            else [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
-        )
-        sent = 0
+    ) -> None:
+        """Answer one GET: an ENTRY and the bytes of each key, in order (``GetRules.into``:
+        each block reserved in ``lease`` while it is sent, copied into ``buffer``)."""
+        keys = self._gets.keys(packed, "GET keys", tenant.namespace)
+        entries = self._gets.into(tenant, keys, lease, buffer)
         with self._metrics.latency["Get"].time():
-            for key in keys:
-                found = await self._store.get_into(key, memoryview(buffer))
-                if found is not None and found[0] > len(buffer):
-                    # Grown to the largest block seen (within the budget), then reused
-                    # for every later one.
-                    await lease.reserve(found[0], "bulk GET")
-                    buffer = bytearray(found[0])
-                    found = await self._store.get_into(key, memoryview(buffer))
-                if found is None:
-                    lease.release()
-                    await self._send(loop, conn, lease, ENTRY.pack(0, 0))
-                    continue
-                size, tier = found
-                await lease.reserve(size - lease.held_bytes, "bulk GET")
-                await self._send(loop, conn, lease, ENTRY.pack(self._codes[tier], size))
-                await self._send(loop, conn, lease, memoryview(buffer)[:size])
-                lease.release()
-                sent += size
-        self._metrics.get_bytes(sent)
-        self._metrics.tenant_get_bytes(tenant.name, sent)
-        return buffer
+            async with contextlib.aclosing(entries):
+                async for code, size in entries:
+                    await self._send(loop, conn, lease, ENTRY.pack(code, size))
+                    if size:
+                        await self._send(loop, conn, lease, memoryview(buffer.data)[:size])
 
     @staticmethod
     async def _recv(

@@ -22,9 +22,9 @@ ends (``close``), releasing everything it reserved.
 
 Deadlines (``stream_idle_timeout_s``): a Put stream that sends no frame for that long, a
 reservation that cannot be had for that long, and a Get frame the reader does not take
-for that long end the call with :class:`StreamCut` (the service turns it into the
-status: DEADLINE_EXCEEDED for an idle or slow peer, RESOURCE_EXHAUSTED for a full
-budget), and nothing of a cut Put is stored.
+for that long end the call with a :class:`~.refusal.Refusal` (TOO_SLOW for an idle or
+slow peer, OVER_LIMIT for a full budget; each codec words it for its wire), and nothing
+of a cut Put is stored.
 
 Concurrency: one event loop; reservations change only between awaits. Waiters are woken
 on every release and re-check, oldest first.
@@ -36,9 +36,9 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 
-import grpc
+from nopecache.cache_server.refusal import Refusal, RefusalKind, over_limit
 
-__all__ = ["InflightBudget", "Lease", "StreamCut"]
+__all__ = ["InflightBudget", "Lease"]
 
 
 _BACKGROUND: set[asyncio.Task[None]] = set()
@@ -49,16 +49,6 @@ def _spawn(work: Coroutine[None, None, None]) -> None:
     task = asyncio.ensure_future(work)
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
-
-
-class StreamCut(Exception):
-    """A stream ended by the budget or a deadline: the status, a metric reason, a message."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.message = message
 
 
 class InflightBudget:
@@ -94,7 +84,7 @@ class InflightBudget:
         return self.used_bytes + n <= self.total_bytes and held + n <= self.share_bytes
 
     async def _reserve(self, owner: str, n: int, what: str) -> None:
-        """Take ``n`` bytes for ``owner``, waiting up to the idle timeout; raises StreamCut."""
+        """Take ``n`` bytes for ``owner``, waiting up to the idle timeout; raises Refusal."""
         if n <= 0:
             return
         loop = asyncio.get_running_loop()
@@ -102,8 +92,7 @@ class InflightBudget:
         while not self._fits(owner, n):
             left = deadline - loop.time()
             if left <= 0:
-                raise StreamCut(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise over_limit(
                     "inflight_budget",
                     f"{what}: the server's in-flight budget stayed full for "
                     f"{self.idle_timeout_s:g} s (this client holds {self.owner_bytes(owner)} "
@@ -163,7 +152,7 @@ class Lease:
         return self._held
 
     async def reserve(self, n: int, what: str) -> None:
-        """Reserve ``n`` more bytes (waiting for room); raises StreamCut."""
+        """Reserve ``n`` more bytes (waiting for room); raises Refusal."""
         await self._budget._reserve(self._owner, n, what)
         self._held += n
 
@@ -231,19 +220,19 @@ class Lease:
             return
         self._timer = loop.call_at(since + self._budget.idle_timeout_s, self._check)
 
-    def idle_cut(self) -> StreamCut:
-        """The StreamCut of a Put stream that sent nothing for the idle timeout."""
-        return StreamCut(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
+    def idle_cut(self) -> Refusal:
+        """The refusal of a Put stream that sent nothing for the idle timeout."""
+        return Refusal(
+            RefusalKind.TOO_SLOW,
             "stream_idle",
             f"PutFrame: no frame for {self._budget.idle_timeout_s:g} s "
             "(stream_idle_timeout_s): the stream is cut and nothing of it is stored",
         )
 
-    def slow_reader_cut(self, what: str) -> StreamCut:
-        """The StreamCut of a Get whose reader took no frame for the idle timeout."""
-        return StreamCut(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
+    def slow_reader_cut(self, what: str) -> Refusal:
+        """The refusal of a Get whose reader took no frame for the idle timeout."""
+        return Refusal(
+            RefusalKind.TOO_SLOW,
             "stream_slow_reader",
             f"{what}: the client took no frame for {self._budget.idle_timeout_s:g} s "
             "(stream_idle_timeout_s): the stream is cut",
@@ -251,10 +240,10 @@ class Lease:
 
     async def paced(self, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """``frames``, a frame that does not come within the idle timeout cutting the
-        stream (StreamCut). The receiver reserves what it keeps (``reserve``).
+        stream (a TOO_SLOW Refusal). The receiver reserves what it keeps (``reserve``).
 
         The watch cancels the waiting read (gRPC ends a cancelled read at once), and the
-        cancel is turned into the StreamCut here.
+        cancel is turned into the refusal here.
         """
         task = asyncio.current_task()
         assert task is not None

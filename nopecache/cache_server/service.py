@@ -1,9 +1,17 @@
 """The ``nopecache.v1.KVCache`` gRPC servicer (grpc.aio) over a TieredStore.
 
+A codec, in the shape of grpc's route_guide example: each RPC decodes its request, calls
+the transfer rules (``transfer_put.py``: Put admission, staging, verification, quotas,
+storing; ``transfer_get.py``: key lists and Get reads, shared with the bulk stream of
+``bulk.py``) and encodes what they return. A :class:`~.refusal.Refusal` becomes the
+call's status in one place, ``_abort`` (the kind's code from ``codes.STATUS``, the
+message as details).
+
 Wire rules (see proto/cache.proto):
 
-* Keys travel packed: one ``bytes`` of concatenated 16-byte keys, split here with one
-  numpy call instead of a Python loop over slices. Lookup answers one byte per key.
+* Keys travel packed: one ``bytes`` of concatenated 16-byte keys, split by
+  ``GetRules.keys`` with one numpy call instead of a Python loop over slices. Lookup
+  answers one byte per key.
 * Blocks travel in frames of at most ``max_frame_data_bytes``; a frame with a key starts a
   block, frames without one continue it.
 * The two block-carrying messages, PutFrame (in) and GetFrame (out), bypass the protobuf
@@ -45,15 +53,14 @@ are passed to the server by ``main.start_server``.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import NoReturn
 
 import grpc
-import numpy as np
 
-from nopecache.cache_server.bulk import TICKET_TTL_S, BulkServer, Staged
+from nopecache.cache_server.bulk import TICKET_TTL_S, BulkServer
 from nopecache.cache_server.calls import (
     ContextResolver,
     MalformedRequest,
@@ -62,13 +69,17 @@ from nopecache.cache_server.calls import (
     lenient_parser,
     server_version,
 )
+from nopecache.cache_server.codes import STATUS, put_reply
 from nopecache.cache_server.config import ServerConfig
-from nopecache.cache_server.inflight import InflightBudget, Lease, StreamCut
+from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
-from nopecache.cache_server.shm import ShmRequestError, ShmSessions, ShmTarget
-from nopecache.cache_server.store import BlobTooLargeError, PutOutcome, TieredStore
-from nopecache.cache_server.tenants import QuotaLedger, Tenant, namespaced_keys, own_stats
+from nopecache.cache_server.refusal import Refusal, bad_request
+from nopecache.cache_server.shm import ShmSessions
+from nopecache.cache_server.store import TieredStore
+from nopecache.cache_server.tenants import QuotaLedger, Tenant, own_stats
 from nopecache.cache_server.tiers import redact_url
+from nopecache.cache_server.transfer_get import GetRules
+from nopecache.cache_server.transfer_put import FRAME_WORDING, PutRules, bad_framing
 from nopecache.cache_server.verify import BlockVerifier
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import KEY_BYTES
@@ -87,72 +98,17 @@ __all__ = [
     "server_version",
 ]
 
-# Keys fetched from the store per step of a Get stream: up to GET_WINDOW_KEYS (to batch a
-# Redis round trip for small blocks), fewer once blocks turn out large, so that one stream
-# holds about GET_WINDOW_BYTES of blocks at a time (and a block is framed while its bytes
-# are still in cache, not after seven others were read).
-GET_WINDOW_KEYS = 8
-GET_WINDOW_BYTES = 8 * 1024 * 1024
-# A Put of thousands of tiny blocks gives other calls a turn of the event loop this often.
-YIELD_EVERY_BLOCKS = 64
-_KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
-
 log = logging.getLogger(__name__)
 
 
 # -- request handling ------------------------------------------------------------------------
-class _Rejected(Exception):
-    """A request-level refusal raised inside a handler; turned into an abort."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.message = message
-
-
-def _bad_framing(message: str) -> _Rejected:
-    return _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "bad_framing", message)
-
-
 def _refuse_malformed(request: object) -> None:
-    """Raise _Rejected (INVALID_ARGUMENT) for a request the deserializer could not parse."""
+    """Raise Refusal (BAD_REQUEST) for a request the deserializer could not parse."""
     if isinstance(request, MalformedRequest):
-        raise _Rejected(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise bad_request(
             "bad_message",
             f"{request.message_type}: not a valid protobuf message ({request.error})",
         )
-
-
-class _PartialBlock:
-    """A block whose frames are still arriving: views of the frame messages, joined once
-    the last one is in (one copy, and no zero-filled buffer written first)."""
-
-    __slots__ = ("filled", "key", "parts", "position", "total_size")
-
-    def __init__(self, key: bytes, total_size: int, first: memoryview, position: int) -> None:
-        self.key = key
-        self.position = position
-        self.total_size = total_size
-        self.parts = [first]
-        self.filled = len(first)
-
-    def add(self, data: memoryview) -> bool:
-        """Append one frame's data; True once the block is complete."""
-        end = self.filled + len(data)
-        if end > self.total_size:
-            raise _bad_framing(
-                f"PutFrame.data: block #{self.position} got {end} bytes, more than its "
-                f"total_size {self.total_size}"
-            )
-        self.parts.append(data)
-        self.filled = end
-        return end == self.total_size
-
-    def blob(self) -> bytes:
-        """The complete block."""
-        return b"".join(self.parts)
 
 
 class KVCacheService:
@@ -193,6 +149,9 @@ class KVCacheService:
         # Code 0 is a miss; tier i answers i + 1 (index into the reply's tier_names).
         self._codes: dict[str | None, int] = {None: 0}
         self._codes.update({name: i + 1 for i, name in enumerate(self._tier_names)})
+        # The transfer rules both transports speak (transfer_put.py, transfer_get.py).
+        self.puts = PutRules(store, config, metrics, self.quotas, self.verifier)
+        self.gets = GetRules(store, config, metrics, self._codes, self.inflight.share_bytes)
         self._info = pb.ServerInfo(
             version=server_version(),
             api_version=API_VERSION,
@@ -218,42 +177,19 @@ class KVCacheService:
         """What Stats reports about this server (version, limits, tiers)."""
         return self._info
 
-    def _split_keys(self, packed: bytes, field: str, namespace: bytes = b"") -> list[bytes]:
-        """The keys of a packed key field as stored (prefixed with ``namespace``); raises
-        _Rejected when malformed or too many."""
-        if len(packed) % KEY_BYTES:
-            raise _Rejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "bad_keys",
-                f"{field}: {len(packed)} bytes is not a multiple of the {KEY_BYTES}-byte key",
-            )
-        count = len(packed) // KEY_BYTES
-        if count > self._config.max_keys_per_request:
-            raise _Rejected(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "too_many_keys",
-                f"{field}: {count} keys exceeds max_keys_per_request "
-                f"{self._config.max_keys_per_request}",
-            )
-        if namespace:
-            return namespaced_keys(namespace, packed)
-        keys: list[bytes] = np.frombuffer(packed, dtype=_KEY_DTYPE).tolist()
-        return keys
-
     async def _abort(
-        self, context: grpc.aio.ServicerContext, method: str, rejected: _Rejected | StreamCut
+        self, context: grpc.aio.ServicerContext, method: str, refusal: Refusal
     ) -> NoReturn:
-        """Count, log and abort the RPC with the rejection's status."""
-        self._metrics.rejected(method, rejected.reason)
+        """Count, log and abort the RPC with the refusal's status: the one place a
+        refusal becomes its gRPC form (``codes.STATUS`` and the message as details)."""
+        self._metrics.rejected(method, refusal.reason)
         who = self._resolve(context)
-        self._metrics.tenant_rejected(who.tenant.name, rejected.reason)
-        peer = who.peer
+        self._metrics.tenant_rejected(who.tenant.name, refusal.reason)
+        code = STATUS[refusal.kind]
         # DEBUG, not INFO: a misbehaving client must not be able to flood the log; the
         # rejection counter is the operational signal.
-        log.debug(
-            "%s from %s rejected (%s): %s", method, peer, rejected.code.name, rejected.message
-        )
-        await context.abort(rejected.code, rejected.message)
+        log.debug("%s from %s rejected (%s): %s", method, who.peer, code.name, refusal.message)
+        await context.abort(code, refusal.message)
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -266,8 +202,8 @@ class KVCacheService:
                 _refuse_malformed(request)
                 assert isinstance(request, pb.LookupRequest)
                 namespace = self._resolve(context).tenant.namespace
-                keys = self._split_keys(request.keys, "LookupRequest.keys", namespace)
-            except _Rejected as r:
+                keys = self.gets.keys(request.keys, "LookupRequest.keys", namespace)
+            except Refusal as r:
                 await self._abort(context, "Lookup", r)
             names = await self._store.lookup(keys)
             return pb.LookupReply(
@@ -281,9 +217,16 @@ class KVCacheService:
         with self._metrics.latency["Put"].time():
             tenant = self._resolve(context).tenant
             lease = self._lease(context, tenant)
+            intake = self.puts.intake(tenant, lease, FRAME_WORDING)
             try:
-                results, staged = await self._receive(lease.paced(request_iterator), lease)
-            except (_Rejected, StreamCut) as r:
+                async for raw in lease.paced(request_iterator):
+                    try:
+                        key, size, data = decode_put_frame(raw)
+                    except WireError as e:
+                        raise bad_framing(str(e)) from e
+                    await intake.frame(key, size, data)
+                intake.end_of_frames()
+            except Refusal as r:
                 await self._abort(context, "Put", r)
             # grpc.aio ends the request iterator alike for a clean close, a cancel, an
             # expired deadline and a message over the size limit (the call is then over
@@ -291,192 +234,7 @@ class KVCacheService:
             # apart: on a call that is over it raises CancelledError, before anything is
             # stored.
             await context.send_initial_metadata(())
-            return await self.store_staged(tenant, results, staged)
-
-    async def store_staged(
-        self, tenant: Tenant, results: list[pb.PutResult], staged: Staged
-    ) -> pb.PutReply:
-        """Store the validated blocks of one Put (gRPC or bulk) for ``tenant``, each charged
-        to its quota; ``results`` (one slot per block, rejections filled) completed."""
-        invalid = len(results) - len(staged)
-        if invalid:
-            self._metrics.tenant_rejected(tenant.name, "invalid_block", invalid)
-        stored_bytes = 0
-        reconciled = False
-        for n, (position, key, blob) in enumerate(staged, 1):
-            if n % YIELD_EVERY_BLOCKS == 0:
-                await asyncio.sleep(0)
-            stored_key = tenant.stored_key(key)
-            admitted = self.quotas.admit(tenant, stored_key, len(blob))
-            if not admitted and not reconciled:
-                # The ledger over-counts what tiers evicted meanwhile: recount, once.
-                reconciled = True
-                await self.quotas.reconcile(tenant, self._store.lookup)
-                admitted = self.quotas.admit(tenant, stored_key, len(blob))
-            if not admitted:
-                results[position] = self._over_quota(tenant, key, position, len(blob))
-                continue
-            results[position] = await self._store_block(key, stored_key, blob, tenant)
-            stored_bytes += len(blob)
-        if self.quotas.sweep_due(tenant):
-            await self.quotas.sweep(tenant, self._store.lookup)
-        self._metrics.put_bytes(stored_bytes)
-        self._metrics.tenant_put_bytes(tenant.name, stored_bytes)
-        if tenant.quota_bytes:
-            used = self.quotas.used_bytes(tenant)
-            self._metrics.tenant_usage(tenant.name, used, tenant.quota_bytes)
-        return pb.PutReply(results=results)
-
-    def _over_quota(self, tenant: Tenant, key: bytes, position: int, size: int) -> pb.PutResult:
-        """The result of a block refused because its tenant's quota is full."""
-        self._metrics.rejected("Put", "over_quota")
-        self._metrics.tenant_rejected(tenant.name, "over_quota")
-        used = self.quotas.used_bytes(tenant)
-        return self._rejection(
-            key,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"block #{position}: quota: tenant {tenant.name} holds {used} of its "
-            f"{tenant.quota_bytes}-byte quota; this block needs {self.quotas.charge_for(size)} "
-            f"more ({size} bytes in {self.quotas.unit_bytes}-byte pages)",
-        )
-
-    async def _receive(
-        self, frames: AsyncIterator[bytes], lease: Lease
-    ) -> tuple[list[pb.PutResult], Staged]:
-        """Reassemble and validate the blocks of a Put stream, each block's bytes reserved
-        in ``lease`` (waiting for room) when its first frame arrives.
-
-        Returns one result slot per block (filled for rejected blocks, placeholders for the
-        valid ones) and the valid blocks as (position, key, blob), none of them stored yet.
-        """
-        config = self._config
-        results: list[pb.PutResult] = []
-        staged: Staged = []
-        partial: _PartialBlock | None = None
-        request_bytes = 0
-        async for raw in frames:
-            try:
-                key, size, data = decode_put_frame(raw)
-            except WireError as e:
-                raise _bad_framing(str(e)) from e
-            if not key:
-                if partial is None:
-                    raise _bad_framing(
-                        "PutFrame.key: the first frame of a block must carry its key"
-                    )
-                if partial.add(data):
-                    await self.check_block(partial.key, memoryview(partial.blob()), results, staged)
-                    partial = None
-                continue
-            position = len(results)
-            if partial is not None:
-                raise _bad_framing(
-                    f"PutFrame.key: block #{position} started before block #{partial.position} "
-                    f"was complete ({partial.filled} of {partial.total_size} bytes)"
-                )
-            if len(key) != KEY_BYTES:
-                raise _bad_framing(
-                    f"PutFrame.key: block #{position} key is {len(key)} bytes, not {KEY_BYTES}"
-                )
-            if position >= config.max_keys_per_request:
-                raise _Rejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "too_many_keys",
-                    f"PutFrame.key: more than max_keys_per_request "
-                    f"{config.max_keys_per_request} blocks in one Put",
-                )
-            if size == 0:
-                raise _bad_framing(
-                    f"PutFrame.total_size: block #{position} must give its size (> 0)"
-                )
-            if size > config.max_block_bytes:
-                raise _Rejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "block_too_large",
-                    f"PutFrame.total_size: block #{position} is {size} bytes, over "
-                    f"max_block_bytes {config.max_block_bytes}",
-                )
-            request_bytes += size
-            if request_bytes > config.max_request_bytes:
-                raise _Rejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "request_too_large",
-                    f"PutFrame.total_size: the stream's blocks add up to {request_bytes} bytes, "
-                    f"over max_request_bytes {config.max_request_bytes}",
-                )
-            # Whole blocks, not frames: streams holding parts of blocks could fill the
-            # budget with none of them able to finish one.
-            await lease.reserve(size, f"PutFrame: block #{position}")
-            results.append(pb.PutResult(key=key))
-            if position % YIELD_EVERY_BLOCKS == YIELD_EVERY_BLOCKS - 1:
-                await asyncio.sleep(0)  # many tiny blocks must not hold the loop
-            if len(data) == size:
-                # The common case, a block in one frame: kept as a view of the message.
-                await self.check_block(key, data, results, staged)
-            elif len(data) > size:
-                raise _bad_framing(
-                    f"PutFrame.data: block #{position} got {len(data)} bytes, more than its "
-                    f"total_size {size}"
-                )
-            else:
-                partial = _PartialBlock(key, size, data, position)
-        if partial is not None:
-            raise _bad_framing(
-                f"PutFrame.data: the stream ended inside block #{partial.position} "
-                f"({partial.filled} of {partial.total_size} bytes)"
-            )
-        return results, staged
-
-    async def check_block(
-        self, key: bytes, blob: memoryview, results: list[pb.PutResult], staged: Staged
-    ) -> None:
-        """Validate one complete block (the last of ``results``): stage it, or fill its
-        result with the rejection."""
-        position = len(results) - 1
-        problem = await self.verifier.check_async(key, blob)
-        if problem is None:
-            staged.append((position, key, blob))
-            return
-        self._metrics.rejected("Put", "invalid_block")
-        results[position] = self._rejection(
-            key, grpc.StatusCode.INVALID_ARGUMENT, f"block #{position}: {problem}"
-        )
-
-    def _rejection(self, key: bytes, code: grpc.StatusCode, reason: str) -> pb.PutResult:
-        """The result of a rejected block (counted by outcome)."""
-        self._metrics.put_outcome("rejected")
-        return pb.PutResult(
-            key=key, outcome=pb.PUT_OUTCOME_REJECTED, code=code.value[0], reason=reason
-        )
-
-    async def _store_block(
-        self, key: bytes, stored_key: bytes, blob: memoryview | bytes, tenant: Tenant
-    ) -> pb.PutResult:
-        """Store one validated block (client ``key``) under ``stored_key``; the outcome.
-
-        The block's quota charge (taken by the caller) is given back when it was not stored.
-        """
-        try:
-            outcome = await self._store.put(stored_key, blob)
-        except BlobTooLargeError as e:
-            self.quotas.release(tenant, (stored_key,))
-            self._metrics.rejected("Put", "no_tier_fits")
-            self._metrics.tenant_rejected(tenant.name, "no_tier_fits")
-            return self._rejection(key, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        if outcome is PutOutcome.STORED:
-            self._metrics.put_outcome("stored")
-            return pb.PutResult(key=key, outcome=pb.PUT_OUTCOME_STORED)
-        if outcome is PutOutcome.ALREADY_PRESENT:
-            self._metrics.put_outcome("already_present")
-            return pb.PutResult(key=key, outcome=pb.PUT_OUTCOME_ALREADY_PRESENT)
-        self.quotas.release(tenant, (stored_key,))
-        self._metrics.rejected("Put", "tier_unavailable")
-        self._metrics.tenant_rejected(tenant.name, "tier_unavailable")
-        return self._rejection(
-            key,
-            grpc.StatusCode.UNAVAILABLE,
-            "tiers: every tier that can hold this block is unreachable",
-        )
+            return put_reply(await intake.finish())
 
     async def Get(
         self, request: pb.GetRequest | MalformedRequest, context: grpc.aio.ServicerContext
@@ -496,7 +254,7 @@ class KVCacheService:
                 lease.end_wait()
                 if lease.stalled:
                     break
-        except StreamCut as cut:
+        except Refusal as cut:
             await self._abort(context, "Get", cut)
         if lease.stalled:
             await frames.aclose()
@@ -517,69 +275,45 @@ class KVCacheService:
         context: grpc.aio.ServicerContext,
         lease: Lease,
     ) -> AsyncGenerator[bytes, None]:
-        """The frames of a Get, each window of blocks reserved in ``lease`` while sent."""
+        """The frames of a Get (``GetRules.windows`` encoded as GetFrames), or shm
+        announcements of the hits copied into the request's shared-memory window."""
         with self._metrics.latency["Get"].time():
             tenant = self._resolve(context).tenant
             try:
                 _refuse_malformed(request)
                 assert isinstance(request, pb.GetRequest)
-                keys = self._split_keys(request.keys, "GetRequest.keys", tenant.namespace)
-                target = self._shm_target(request, tenant, context)
-            except _Rejected as r:
+                keys = self.gets.keys(request.keys, "GetRequest.keys", tenant.namespace)
+                target = self.shm.target(
+                    tenant.name,
+                    request.shm_session,
+                    request.shm_offset,
+                    request.shm_size,
+                    context.cancelled,
+                )
+            except Refusal as r:
                 await self._abort(context, "Get", r)
             limit = self._config.max_frame_data_bytes
-            codes = self._codes
             names: Sequence[bytes] = self._encoded_names
-            sent = hits = 0
-            # A window of the largest blocks must fit the client's in-flight share.
-            most = max(
-                1, min(GET_WINDOW_KEYS, self.inflight.share_bytes // self._config.max_block_bytes)
-            )
-            start, window = 0, most
+            entries = self.gets.windows(tenant, keys, lease)
+            # aclosing: a stream cut while a window is held drops its blocks at once.
             with target:  # the shared-memory window (if any) is written only inside
-                while start < len(keys):
-                    lease.release()  # the previous window is sent
-                    found = await self._store.get_many(keys[start : start + window])
-                    await lease.reserve(sum(len(f[0]) for f in found if f), "GetFrame")
-                    for index, item in enumerate(found, start):
-                        if item is None:
+                async with contextlib.aclosing(entries):
+                    async for index, code, blob in entries:
+                        if blob is None:
                             yield encode_get_frame(index, 0, 0, b"", names)
                             names = ()
                             continue
-                        blob, tier = item
                         size = len(blob)
-                        sent += size
-                        hits += 1
                         at = target.place(blob)
                         if at is not None:
-                            yield encode_get_frame(index, codes[tier], size, b"", names, (at, size))
+                            yield encode_get_frame(index, code, size, b"", names, (at, size))
                             names = ()
                             continue
                         view = memoryview(blob)
-                        yield encode_get_frame(index, codes[tier], size, view[:limit], names)
+                        yield encode_get_frame(index, code, size, view[:limit], names)
                         names = ()
                         for offset in range(limit, size, limit):
                             yield encode_get_frame(index, 0, 0, view[offset : offset + limit], ())
-                    start += len(found)
-                    if sent:
-                        window = max(1, min(most, GET_WINDOW_BYTES * hits // sent))
-            self._metrics.get_bytes(sent)
-            self._metrics.tenant_get_bytes(tenant.name, sent)
-
-    def _shm_target(
-        self, request: pb.GetRequest, tenant: Tenant, context: grpc.aio.ServicerContext
-    ) -> ShmTarget:
-        """The shared-memory window a Get names (inert without one); raises _Rejected."""
-        try:
-            return self.shm.target(
-                tenant.name,
-                request.shm_session,
-                request.shm_offset,
-                request.shm_size,
-                context.cancelled,
-            )
-        except ShmRequestError as e:
-            raise _Rejected(e.code, e.reason, str(e)) from e
 
     async def AttachShm(
         self, request: pb.AttachShmRequest | MalformedRequest, context: grpc.aio.ServicerContext
@@ -590,9 +324,7 @@ class KVCacheService:
             _refuse_malformed(request)
             assert isinstance(request, pb.AttachShmRequest)
             outcome = await self.shm.attach(tenant.name, request.name, request.size, request.nonce)
-        except ShmRequestError as e:
-            await self._abort(context, "AttachShm", _Rejected(e.code, e.reason, str(e)))
-        except _Rejected as r:
+        except Refusal as r:
             await self._abort(context, "AttachShm", r)
         return pb.AttachShmReply(
             session=outcome.session,
@@ -607,7 +339,7 @@ class KVCacheService:
         tenant = self._resolve(context).tenant
         try:
             _refuse_malformed(request)
-        except _Rejected as r:
+        except Refusal as r:
             await self._abort(context, "DetachShm", r)
         assert isinstance(request, pb.DetachShmRequest)
         return pb.DetachShmReply(detached=self.shm.detach(tenant.name, request.session))
@@ -615,13 +347,11 @@ class KVCacheService:
     def offer_bulk(self, host: str) -> BulkServer:
         """Serve Gets over a bulk byte stream too, bound on ``host`` (plaintext servers)."""
         self.bulk = BulkServer(
-            self._store,
             self._metrics,
             host=host,
-            config=self._config,
-            codes=self._codes,
             inflight=self.inflight,
-            intake=self,
+            puts=self.puts,
+            gets=self.gets,
         )
         return self.bulk
 
@@ -632,7 +362,7 @@ class KVCacheService:
         tenant = self._resolve(context).tenant
         try:
             _refuse_malformed(request)
-        except _Rejected as r:
+        except Refusal as r:
             await self._abort(context, "OpenBulk", r)
         if self.bulk is None:
             return pb.OpenBulkReply(refused="this server offers no bulk stream (TLS or off)")
@@ -648,8 +378,8 @@ class KVCacheService:
             try:
                 _refuse_malformed(request)
                 assert isinstance(request, pb.DeleteRequest)
-                keys = self._split_keys(request.keys, "DeleteRequest.keys", tenant.namespace)
-            except _Rejected as r:
+                keys = self.gets.keys(request.keys, "DeleteRequest.keys", tenant.namespace)
+            except Refusal as r:
                 await self._abort(context, "Delete", r)
             deleted = await self._store.delete(keys)
             self.quotas.release(tenant, keys)
@@ -665,7 +395,7 @@ class KVCacheService:
         with self._metrics.latency["Stats"].time():
             try:
                 _refuse_malformed(request)
-            except _Rejected as r:
+            except Refusal as r:
                 await self._abort(context, "Stats", r)
             stats = await self._store.stats()
             self._metrics.set_tier_stats(stats)

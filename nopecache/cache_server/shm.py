@@ -58,8 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
-import grpc
-
+from nopecache.cache_server.refusal import Refusal, RefusalKind, bad_request
 from nopecache.proto.shm_layout import (
     ALIGN,
     HEADER_BYTES,
@@ -81,7 +80,6 @@ __all__ = [
     "SESSION_BYTES",
     "AttachOutcome",
     "ShmLimits",
-    "ShmRequestError",
     "ShmSessions",
     "ShmTarget",
 ]
@@ -96,17 +94,8 @@ _SESSION_AT = SESSION_AT
 _align = align
 
 
-class ShmRequestError(Exception):
-    """A fast-path request the server refuses; carries the gRPC status and a metric reason."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-
-
-def _invalid(message: str) -> ShmRequestError:
-    return ShmRequestError(grpc.StatusCode.INVALID_ARGUMENT, "bad_shm", message)
+def _invalid(message: str) -> Refusal:
+    return bad_request("bad_shm", message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +297,7 @@ class ShmSessions:
     async def attach(self, tenant: str, name: str, size: int, nonce: bytes) -> AttachOutcome:
         """Map the client's segment ``name``; a session id, or why not (a value).
 
-        Raises ShmRequestError (INVALID_ARGUMENT) for malformed arguments.
+        Raises Refusal (BAD_REQUEST) for malformed arguments.
         """
         if not _NAME_RE.match(name):
             raise _invalid(
@@ -369,8 +358,8 @@ class ShmSessions:
     ) -> ShmTarget:
         """The window of one Get (an inert one when the request names no session, window).
 
-        Raises ShmRequestError: INVALID_ARGUMENT for a malformed session id or a window
-        outside the segment, FAILED_PRECONDITION for an unknown or expired session.
+        Raises Refusal: BAD_REQUEST for a malformed session id or a window outside the
+        segment, STALE_SESSION for an unknown or expired session.
         """
         if not sid and not offset and not size:
             return ShmTarget(self, None, 0, 0, cancelled)
@@ -382,8 +371,8 @@ class ShmSessions:
         session = self._sessions.get(sid)
         if session is None or session.tenant != tenant:
             self.expire()
-            raise ShmRequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refusal(
+                RefusalKind.STALE_SESSION,
                 "shm_session_unknown",
                 f"GetRequest.shm_session: no session {sid.hex()} (expired or detached): "
                 "attach again",

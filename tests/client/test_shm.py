@@ -22,7 +22,8 @@ import grpc.aio
 import pytest
 import torch
 
-from nopecache.cache_server.shm import ShmLimits, ShmRequestError, ShmSessions
+from nopecache.cache_server.refusal import Refusal, RefusalKind
+from nopecache.cache_server.shm import ShmLimits, ShmSessions
 from nopecache.client import (
     FetchResult,
     InvalidArgumentError,
@@ -364,12 +365,12 @@ async def _session_lifecycle(name_prefix: str) -> None:
         b = await table.attach("t1", segs[1].name, segs[1].size, segs[1].nonce)
         assert (table.sessions, table.mapped_bytes) == (2, 2 * SEGMENT)
         # Another tenant cannot use or end t1's session.
-        with pytest.raises(ShmRequestError, match=r"GetRequest\.shm_session: no session") as err:
+        with pytest.raises(Refusal, match=r"GetRequest\.shm_session: no session") as err:
             table.target("t2", a.session, 4096, 4096)
-        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.value.kind is RefusalKind.STALE_SESSION
         assert not table.detach("t2", a.session)
         # A window outside the segment's windows names the fields.
-        with pytest.raises(ShmRequestError, match=r"shm_offset/shm_size: window \[0, 4096\)"):
+        with pytest.raises(Refusal, match=r"shm_offset/shm_size: window \[0, 4096\)"):
             table.target("t1", a.session, 0, 4096)
         # The table is full: the least recently used session without a Get in flight is
         # evicted. a is the least recently used (b was used after it) but busy: b goes.
@@ -429,9 +430,9 @@ async def _refusals(name_prefix: str) -> None:
             (seg.name, b"short", seg.size, "AttachShmRequest.nonce"),
             (seg.name, seg.nonce, 100, "AttachShmRequest.size"),
         ):
-            with pytest.raises(ShmRequestError, match=f"^{field}") as err:
+            with pytest.raises(Refusal, match=f"^{field}") as err:
                 await table.attach("t", name, size_, nonce)
-            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.kind is RefusalKind.BAD_REQUEST
         assert table.sessions == 0
     finally:
         seg.close()
