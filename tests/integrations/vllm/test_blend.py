@@ -2,7 +2,7 @@
 real engines).
 
 The scheduler and worker halves run against a real server with the inputs vLLM gives them
-(requests with token ids and block hashes, a paged cache), as in test_vllm_halves.py.
+(requests with token ids and block hashes, a paged cache), as in test_halves.py.
 """
 
 from __future__ import annotations
