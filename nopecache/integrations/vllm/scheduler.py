@@ -23,6 +23,9 @@ token (blend: before the first position the layer loop computes), so the exact c
 never holds approximate KV; a blend claim also salts vLLM's block hashes from there on
 (``_salt_block_hashes``), so vLLM's own prefix cache never serves those blocks either.
 
+vLLM's ``Request`` and ``SchedulerOutput`` are read through ``compat`` only (the unit
+tests hand in stand-ins with the same attributes).
+
 Concurrency: every method runs on vLLM's scheduler thread; the client is thread-safe.
 """
 
