@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 
-from nopecache.integrations.vllm.connector import (
+from nopecache.integrations.vllm.connector import NopecacheConnector, NopecacheConnectorMetadata
+from nopecache.integrations.vllm.errors import (
     ConnectorConfigError,
-    NopecacheConnector,
-    NopecacheConnectorMetadata,
-    NopecacheStats,
     UnsupportedEngineError,
     UnsupportedLayoutError,
 )
+from nopecache.integrations.vllm.metrics import NopecacheStats
 
 __all__ = [
     "ConnectorConfigError",

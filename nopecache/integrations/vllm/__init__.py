@@ -1,7 +1,9 @@
 """nopecache as a vLLM v1 KV connector (``kv_connector_module_path="nopecache.integrations.vllm"``).
 
-The package's modules other than ``connector`` and ``compat`` import nothing of vLLM, so
-the connector's halves are testable without it; ``NopecacheConnector`` is imported from
+Only ``connector`` (the facade) and ``metrics`` import vLLM when imported, and only its
+public connector API (``kv_connector.v1.base`` and ``.metrics``); ``compat`` reaches into
+vLLM's internals inside its functions. So the connector's halves and everything they use
+import, and are tested, without vLLM; ``NopecacheConnector`` is imported from
 ``connector`` only when vLLM asks for it.
 """
 

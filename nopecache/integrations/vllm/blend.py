@@ -21,13 +21,17 @@ it. An engine that fails the check logs the reason at start-up and claims prefix
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nopecache.client.chunking import ChunkSpan
 from nopecache.client.plan import ReusePlan
+from nopecache.integrations.vllm import compat
 from nopecache.recompute.policies import ReuseLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 __all__ = [
     "BLEND_ARCHITECTURES",
@@ -106,19 +110,18 @@ def blend_pays(
     return fetch_s + loop_tokens / loop_rate < span / prefill_tokens_per_s
 
 
-def blend_unsupported_reason(vllm_config: Any) -> str | None:
+def blend_unsupported_reason(vllm_config: VllmConfig) -> str | None:
     """Why this engine cannot run blend mode (None: it can), from vLLM's config."""
-    model_config = vllm_config.model_config
-    architectures = list(getattr(model_config, "architectures", None) or [])
-    if not architectures or architectures[0] not in BLEND_ARCHITECTURES:
+    names = compat.architectures(vllm_config)
+    if not names or names[0] not in BLEND_ARCHITECTURES:
         return (
-            f"model architecture {architectures or None} is not one the layer loop runs "
+            f"model architecture {names or None} is not one the layer loop runs "
             f"({', '.join(sorted(BLEND_ARCHITECTURES))})"
         )
-    hf_config = model_config.hf_text_config
+    hf_config = compat.hf_text_config(vllm_config)
     window = getattr(hf_config, "sliding_window", None)
     sliding = window is not None and (
-        architectures[0] == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)
+        names[0] == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)
     )
     layer_types = getattr(hf_config, "layer_types", None) or ()
     if sliding or any(t != "full_attention" for t in layer_types):
@@ -126,11 +129,12 @@ def blend_unsupported_reason(vllm_config: Any) -> str | None:
     for norm in ("q_norm", "k_norm", "qk_norm"):
         if getattr(hf_config, f"use_{norm}", False):
             return f"attention with {norm} is not supported"
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return f"platform {current_platform.device_name!r}: blend mode runs on the CPU attention backend only"
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    if backend is not None and getattr(backend, "name", str(backend)) != "CPU_ATTN":
+    if not compat.platform_is_cpu():
+        return (
+            f"platform {compat.platform_name()!r}: blend mode runs on the CPU attention "
+            "backend only"
+        )
+    backend = compat.attention_backend_name(vllm_config)
+    if backend is not None and backend != "CPU_ATTN":
         return f"attention backend {backend}: blend mode runs on CPU_ATTN only"
     return None

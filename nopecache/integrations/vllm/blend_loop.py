@@ -1,9 +1,10 @@
 """Blend mode's layer loop on vLLM's own modules and paged cache (worker side).
 
-The loop itself is ``selective.run_selective``, the one the transformers adapter runs;
-this module gives it a :class:`VllmStack` (the served model's embedding, norms, fused
-QKV projection with its rotary embedding, output projection and MLP: vLLM's modules,
-vLLM's weights, no copy) and a :class:`PagedLayerKV` (each layer's K/V of positions
+The loop itself is ``nopecache.recompute.selective.run_selective``, the one the
+transformers integration (``nopecache.integrations.hf``) runs; this module gives it a
+:class:`VllmStack` (the served model's embedding, norms, fused QKV projection with its
+rotary embedding, output projection and MLP: vLLM's modules, vLLM's weights, no copy,
+reached through ``compat``) and a :class:`PagedLayerKV` (each layer's K/V of positions
 ``[0, end)`` read from vLLM's paged cache through the connector's KVLayout, fresh rows
 written back through it). So the tokens of a claimed range attend to everything before
 them: vLLM's locally cached blocks, the loaded blocks and the fresh rows.
@@ -25,18 +26,15 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
+from nopecache.integrations.vllm import compat
+from nopecache.integrations.vllm.errors import BlendUnavailableError
 from nopecache.integrations.vllm.layout import KVLayout
 
 __all__ = ["BlendUnavailableError", "PagedLayerKV", "VllmStack", "find_model"]
-
-
-class BlendUnavailableError(RuntimeError):
-    """The served model cannot be driven by the layer loop (the reason is the message)."""
 
 
 def find_model(attention_layers: Mapping[str, nn.Module]) -> nn.Module:
@@ -62,24 +60,12 @@ def find_model(attention_layers: Mapping[str, nn.Module]) -> nn.Module:
     return found[0]
 
 
-def _sub(owner: nn.Module, name: str) -> Any:
-    sub = getattr(owner, name, None)
-    if sub is None:
-        raise BlendUnavailableError(
-            f"{type(owner).__name__} has no {name!r}: not a Llama-family layer layout"
-        )
-    return sub
-
-
 class _VllmProjection:
     """Q/K/V of the running tokens, from vLLM's fused QKV projection and rotary embedding."""
 
     def __init__(self, stack: VllmStack, layer: int, x: torch.Tensor, positions: torch.Tensor):
-        attn = stack.attns[layer]
         n = x.shape[0]
-        qkv, _ = attn.qkv_proj(x)
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = attn.rotary_emb(positions, q, k)
+        q, k, v = compat.qkv_rope(stack.attns[layer], x, positions)
         self._q = q.reshape(n, stack.num_heads, stack.head_dim)
         self.k = k.reshape(n, stack.num_kv_heads, stack.head_dim)
         self.v = v.reshape(n, stack.num_kv_heads, stack.head_dim)
@@ -95,36 +81,26 @@ class VllmStack:
 
     The stream is vLLM's ``(hidden_states, residual)`` pair, and each layer runs in
     vLLM's own order (fused residual-add norms), so a token computed here takes the
-    same operations as in vLLM's forward.
+    same operations as in vLLM's forward. The modules and their calling conventions
+    come from ``compat`` (``llama_modules``, ``qkv_rope``, ``residual_norm``).
     """
 
     def __init__(self, model: nn.Module) -> None:
         """Take the submodules of ``model`` (a ``*ForCausalLM``); BlendUnavailableError if
         its layout is not Llama's."""
-        base = _sub(model, "model")
-        self.embed_tokens = _sub(base, "embed_tokens")
-        layers = list(_sub(base, "layers"))
-        if not layers:
-            raise BlendUnavailableError("the model has no decoder layers")
-        self.input_norms = [_sub(layer, "input_layernorm") for layer in layers]
-        self.post_norms = [_sub(layer, "post_attention_layernorm") for layer in layers]
-        self.mlps = [_sub(layer, "mlp") for layer in layers]
-        self.attns = [_sub(layer, "self_attn") for layer in layers]
-        for attn in self.attns:
-            for name in ("qkv_proj", "o_proj", "rotary_emb", "q_size", "kv_size", "scaling"):
-                _sub(attn, name)
-            for forbidden in ("q_norm", "k_norm"):
-                if getattr(attn, forbidden, None) is not None:
-                    raise BlendUnavailableError(f"attention has {forbidden}: not supported")
-        first = self.attns[0]
-        self.num_layers = len(layers)
-        self.num_heads = int(first.num_heads)
-        self.num_kv_heads = int(first.num_kv_heads)
-        self.head_dim = int(first.head_dim)
-        self.scaling = float(first.scaling)
-        weight = self.embed_tokens.weight
-        self.dtype: torch.dtype = weight.dtype
-        self.device: torch.device = weight.device
+        modules = compat.llama_modules(model)
+        self.embed_tokens = modules.embed_tokens
+        self.input_norms = modules.input_norms
+        self.post_norms = modules.post_norms
+        self.mlps = modules.mlps
+        self.attns = modules.attns
+        self.num_layers = len(modules.attns)
+        self.num_heads = modules.num_heads
+        self.num_kv_heads = modules.num_kv_heads
+        self.head_dim = modules.head_dim
+        self.scaling = modules.scaling
+        self.dtype: torch.dtype = modules.weight.dtype
+        self.device: torch.device = modules.weight.device
 
     def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """vLLM's embedding of ``ids``; no residual yet."""
@@ -136,10 +112,7 @@ class VllmStack:
         """The input norm as vLLM's decoder layer applies it (fused with the residual add)."""
         hidden, residual = stream
         assert hidden is not None
-        norm = self.input_norms[layer]
-        if residual is None:
-            return (None, hidden), norm(hidden)
-        x, residual = norm(hidden, residual)
+        x, residual = compat.residual_norm(self.input_norms[layer], hidden, residual)
         return (None, residual), x
 
     def project(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> _VllmProjection:
@@ -151,8 +124,8 @@ class VllmStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Output projection, post-attention norm (with the residual add) and MLP."""
         _, residual = stream
-        out, _ = self.attns[layer].o_proj(attn.to(self.dtype))
-        x, residual = self.post_norms[layer](out, residual)
+        out = compat.output_projection(self.attns[layer], attn.to(self.dtype))
+        x, residual = compat.residual_norm(self.post_norms[layer], out, residual)
         return self.mlps[layer](x), residual
 
     def select(

@@ -42,13 +42,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from nopecache.client.config import ClientConfig
-from nopecache.client.errors import InvalidArgumentError, NopecacheError
+from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.integrations.vllm import compat
+from nopecache.integrations.vllm.errors import ConnectorConfigError, UnsupportedEngineError
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 from nopecache.recompute.policies import (
@@ -58,6 +60,9 @@ from nopecache.recompute.policies import (
     RecomputePolicy,
     policy_by_name,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 __all__ = [
     "ConnectorConfig",
@@ -70,23 +75,6 @@ __all__ = [
 
 PiReuse = Literal["off", "contiguous", "blend"]
 _PI_REUSE: tuple[str, ...] = ("off", "contiguous", "blend")
-_EXTRA = "kv_connector_extra_config"
-
-
-class ConnectorConfigError(NopecacheError, ValueError):
-    """A ``kv_connector_extra_config`` entry is missing, unknown or has a bad value."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"{_EXTRA}[{key!r}]: {reason}")
-        self.key = key
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[type[ConnectorConfigError], tuple[str, str]]:
-        return (type(self), (self.key, self.reason))
-
-
-class UnsupportedEngineError(NopecacheError, TypeError):
-    """The engine's model, parallelism or KV cache is one the connector cannot serve."""
 
 
 def _bool(key: str, value: object) -> bool:
@@ -237,54 +225,48 @@ class ModelIdentity:
         return self.fingerprint.torch_dtype
 
 
-def _kv_dtype(vllm_config: Any) -> torch.dtype:
-    cache_dtype = vllm_config.cache_config.cache_dtype
+def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    cache_dtype = compat.kv_cache_dtype(vllm_config)
     if cache_dtype not in ("auto", None):
         raise UnsupportedEngineError(
             f"kv_cache_dtype={cache_dtype!r}: the connector stores unquantized KV only; "
             "use kv_cache_dtype='auto'"
         )
-    dtype = vllm_config.model_config.dtype
+    dtype = compat.model_dtype(vllm_config)
     if not isinstance(dtype, torch.dtype):
         raise UnsupportedEngineError(f"model dtype {dtype!r} is not a torch.dtype")
     return dtype
 
 
-def model_identity(vllm_config: Any) -> ModelIdentity:
+def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
     """The fingerprint, RoPE spec and block size of the model vLLM serves.
 
     Raises UnsupportedEngineError for what the connector cannot serve: tensor or
     pipeline parallelism (each rank would hold a slice of the heads), quantized KV,
     MLA or models without RoPE.
     """
-    model_config = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    tensor_parallel, pipeline_parallel = compat.parallel_sizes(vllm_config)
+    if tensor_parallel != 1 or pipeline_parallel != 1:
         raise UnsupportedEngineError(
-            f"tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size}: the connector "
+            f"tensor_parallel_size={tensor_parallel}, "
+            f"pipeline_parallel_size={pipeline_parallel}: the connector "
             "supports one rank (1, 1) only"
         )
-    if getattr(model_config, "use_mla", False):
+    if compat.uses_mla(vllm_config):
         raise UnsupportedEngineError("MLA models are not supported by the vLLM connector yet")
-    hf_config = model_config.hf_text_config
     try:
-        rope = RopeSpec.from_hf_config(hf_config)
+        rope = RopeSpec.from_hf_config(compat.hf_text_config(vllm_config))
     except (ValueError, TypeError, KeyError) as err:
         raise UnsupportedEngineError(f"cannot derive a RoPE spec from the model: {err}") from err
-    num_layers = model_config.get_num_layers(parallel)
-    num_kv_heads = model_config.get_num_kv_heads(parallel)
-    head_dim = model_config.get_head_size()
+    num_layers, num_kv_heads, head_dim = compat.model_shape(vllm_config)
     if head_dim != rope.head_dim:
         raise UnsupportedEngineError(
             f"head size {head_dim} differs from the RoPE spec's head_dim {rope.head_dim}"
         )
-    name = model_config.served_model_name
-    if isinstance(name, list | tuple):
-        name = name[0]
+    name, revision = compat.served_model(vllm_config)
     fingerprint = ModelFingerprint.from_rope_spec(
-        model=str(name or model_config.model),
-        revision=str(model_config.revision or ""),
+        model=name,
+        revision=revision,
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         dtype=_kv_dtype(vllm_config),
@@ -295,5 +277,5 @@ def model_identity(vllm_config: Any) -> ModelIdentity:
         fingerprint=fingerprint,
         rope=rope,
         v_head_dim=head_dim,
-        block_size=int(vllm_config.cache_config.block_size),
+        block_size=compat.cache_block_size(vllm_config),
     )

@@ -11,10 +11,18 @@ Load it with::
 
 or the same JSON on ``vllm serve --kv-transfer-config``. vLLM makes one connector in its
 scheduler process (role SCHEDULER: lookups and claims, ``scheduler.SchedulerSide``)
-and one in each worker (role WORKER: loads and saves, ``worker.WorkerSide``); this
-class is the thin translation between vLLM's hooks and those halves. Settings and model
-identity: ``config.py``; cache layouts: ``layout.py``; what the halves send
-each other: ``metadata.py``.
+and one in each worker (role WORKER: loads and saves, ``worker.WorkerSide``). This
+class is a facade that only delegates vLLM's hooks to those halves; the package's other
+modules are:
+
+    config.py     the extra config's keys and the model identity (fingerprint, RoPE)
+    metadata.py   what the halves send each other every step (StepPlan, StepReport)
+    layout.py     how attention backends lay out the paged cache (KVLayout)
+    blend.py      blend mode's claim arithmetic and start-up check
+    blend_loop.py blend mode's layer loop over vLLM's modules and paged cache
+    metrics.py    the counters in vLLM's stats logger and Prometheus
+    compat.py     every reach into vLLM beyond this connector base API
+    errors.py     the start-up refusals
 
 Failures never fail a request: a lookup that fails claims nothing, a load that fails
 after a claim is reported back as failed blocks and vLLM recomputes them (the connector
@@ -23,51 +31,47 @@ sets ``kv_load_failure_policy="recompute"``, since a cache miss is never fatal).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from nopecache.client.sync_client import CacheClient
+from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.blend import blend_unsupported_reason
-from nopecache.integrations.vllm.config import (
-    ConnectorConfig,
-    ConnectorConfigError,
-    ModelIdentity,
-    UnsupportedEngineError,
-    model_identity,
-)
-from nopecache.integrations.vllm.layout import CpuAttnLayout, KVLayout, UnsupportedLayoutError
+from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity, model_identity
+from nopecache.integrations.vllm.layout import CpuAttnLayout
 from nopecache.integrations.vllm.metadata import StepPlan, StepReport
-from nopecache.integrations.vllm.scheduler import SCHEDULER_COUNTERS, SchedulerSide
+from nopecache.integrations.vllm.metrics import NopecachePromMetrics, NopecacheStats
+from nopecache.integrations.vllm.scheduler import SchedulerSide
 from nopecache.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
-__all__ = [
-    "ConnectorConfigError",
-    "NopecacheConnector",
-    "NopecacheConnectorMetadata",
-    "NopecacheStats",
-    "UnsupportedEngineError",
-    "UnsupportedLayoutError",
-]
+__all__ = ["NopecacheConnector", "NopecacheConnectorMetadata", "NopecacheWorkerMetadata"]
 
 # Under "vllm." so the lines appear in vLLM's own log, in its format.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -96,117 +100,16 @@ class NopecacheWorkerMetadata(KVConnectorWorkerMetadata):
         return NopecacheWorkerMetadata(self.report.add(other.report, same_step=True))
 
 
-_WORKER_FIELDS = tuple(
-    f.name for f in dataclasses.fields(StepReport) if f.name not in ("failed_requests",)
-)
-_STAT_FIELDS = tuple(dict.fromkeys((*SCHEDULER_COUNTERS, *_WORKER_FIELDS)))
-
-
-@dataclasses.dataclass
-class NopecacheStats(KVConnectorStats):
-    """Connector counters of an interval: StepReport's numeric fields, summed."""
-
-    def reset(self) -> None:
-        """Zero every counter."""
-        self.data: dict[str, Any] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        """Add ``other``'s counters to these."""
-        for key, value in other.data.items():
-            if key in _STAT_FIELDS:
-                self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        """The counters, as logged."""
-        return {k: self.data.get(k, 0) for k in _STAT_FIELDS}
-
-    def is_empty(self) -> bool:
-        """True when nothing was counted."""
-        return not any(self.data.get(k) for k in _STAT_FIELDS)
-
-
-class NopecachePromMetrics(KVConnectorPromMetrics):
-    """``vllm:nopecache_*`` Prometheus counters of the connector, per engine.
-
-    The ``vllm:`` prefix puts them beside vLLM's own metrics (``LLM.get_metrics()`` and
-    the server's ``/metrics`` list only those).
-    """
-
-    _COUNTERS: ClassVar[dict[str, str]] = {
-        "loaded_exact_tokens": "Prompt tokens loaded from exact-prefix blocks (lossless)",
-        "loaded_pi_tokens": "Prompt tokens loaded from position-independent blocks",
-        "loaded_bytes": "Block bytes fetched from nopecache servers",
-        "load_seconds": "Seconds spent fetching and placing loads",
-        "load_errors": "Claimed blocks that failed to load (vLLM recomputed them)",
-        "saved_tokens": "Prompt tokens handed to the store queue",
-        "save_dropped": "Stores dropped because the client's queue was full",
-        "lookups": "Prompts looked up",
-        "lookup_failures": "Lookups that failed (the request ran uncached)",
-        "claimed_exact_tokens": "Prompt tokens claimed from exact-prefix hits",
-        "claimed_pi_tokens": "Prompt tokens claimed from position-independent hits",
-        "blend_claimed_tokens": "Prompt tokens claimed in blend mode (hits and the misses between)",
-        "blend_miss_tokens": "Claimed tokens the blend loop computed as misses",
-        "pi_token_layers": "Reused position-independent tokens x layers of blend claims",
-        "recomputed_token_layers": "Of those token-layers, the ones the blend loop recomputed",
-        "blend_fallbacks": "Requests whose blend claim was refused or fell back to the prefix",
-    }
-
-    def __init__(
-        self,
-        vllm_config: Any,
-        metric_types: dict[Any, Any],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        """Register one counter per StepReport field."""
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, dict[int, Any]] = {}
-        for key, doc in self._COUNTERS.items():
-            counter = self._counter_cls(
-                name=f"vllm:nopecache_{key}", documentation=doc, labelnames=labelnames
-            )
-            self._counters[key] = {
-                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Add an interval's counters."""
-        for key, per_engine in self._counters.items():
-            value = transfer_stats_data.get(key, 0)
-            if value:
-                per_engine[engine_idx].inc(value)
-
-
-def _verify_cpu_layout(layout: KVLayout, dtype: torch.dtype) -> None:
-    """Check the CPU layout against vLLM's own cache writer for this machine's ISA."""
-    from vllm._custom_ops import cpu_attn_reshape_and_cache
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    bs, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
-    isa = _get_attn_isa(dtype, bs, d)
-    scratch = torch.zeros(2, h, bs, 2 * d, dtype=dtype)
-    key_cache, value_cache = scratch.view(2, h, 2 * bs, d).chunk(2, dim=2)
-    gen = torch.Generator().manual_seed(0)
-    k = torch.randn(2 * bs, h, d, generator=gen).to(dtype)
-    v = torch.randn(2 * bs, h, d, generator=gen).to(dtype)
-    slots = torch.arange(2 * bs, dtype=torch.int64).flip(0)
-    cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
-    got_k, got_v = layout.read(scratch, slots)
-    if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
-        raise UnsupportedLayoutError(
-            f"vLLM's CPU attention ISA {isa!r} ({dtype}, block_size {bs}, head_dim {d}) "
-            "does not write the layout the connector knows (K^T then V per page)"
-        )
-
-
 class NopecacheConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by nopecache (see the module docstring)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         """Validate the extra config and the model, and connect the client."""
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -230,11 +133,10 @@ class NopecacheConnector(KVConnectorBase_V1):
                 blend_unsupported,
             )
         if role == KVConnectorRole.SCHEDULER:
-            if transfer.kv_load_failure_policy != "recompute":
+            if compat.recompute_load_failures(transfer):
                 log.info(
                     "nopecache: kv_load_failure_policy set to 'recompute' (misses are not fatal)"
                 )
-                transfer.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(
                 self.settings, self.model, self.client, blend_unsupported
             )
@@ -252,7 +154,9 @@ class NopecacheConnector(KVConnectorBase_V1):
             self.settings.pi_reuse,
         )
 
-    # -- worker side ------------------------------------------------------------------
+    # ==================================================================================
+    # Worker-side methods (WorkerSide)
+    # ==================================================================================
     def _worker_side(self) -> WorkerSide:
         assert self._worker is not None, "worker-side hook called on the scheduler connector"
         return self._worker
@@ -262,11 +166,10 @@ class NopecacheConnector(KVConnectorBase_V1):
         worker = self._worker_side()
         layout = worker.register(kv_caches)
         if isinstance(layout, CpuAttnLayout):
-            _verify_cpu_layout(layout, self.model.dtype)
+            compat.verify_cpu_layout(layout, self.model.dtype)
         log.info("nopecache: KV cache layout %s for %d layers", layout.name, len(kv_caches))
         if self.settings.blend:
-            context = self._vllm_config.compilation_config.static_forward_context
-            worker.bind_model({name: context[name] for name in kv_caches if name in context})
+            worker.bind_model(compat.attention_layers(self._vllm_config, kv_caches))
             if worker.blend_stack is not None:
                 log.info(
                     "nopecache: blend mode runs %s with policy %s",
@@ -284,7 +187,7 @@ class NopecacheConnector(KVConnectorBase_V1):
         assert isinstance(meta, NopecacheConnectorMetadata)
         return meta.step
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Fetch and place this step's loads (synchronously, before the forward)."""
         self._worker_side().load(self._step())
 
@@ -292,7 +195,11 @@ class NopecacheConnector(KVConnectorBase_V1):
         """Loads finish in start_load_kv: nothing to wait for."""
 
     def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
     ) -> None:
         """Saves copy whole blocks once the forward is done (wait_for_save)."""
 
@@ -319,70 +226,63 @@ class NopecacheConnector(KVConnectorBase_V1):
         self._last_report = self._worker_side().take_report()
         if self._last_report is None:
             return None
-        data = {k: getattr(self._last_report, k) for k in _WORKER_FIELDS}
-        return NopecacheStats(data=data)
+        return NopecacheStats.of_report(self._last_report)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's report for the scheduler half (prefill rate, totals)."""
         report, self._last_report = self._last_report, None
         return None if report is None else NopecacheWorkerMetadata(report)
 
-    # -- scheduler side ---------------------------------------------------------------
+    # ==================================================================================
+    # Scheduler-side methods (SchedulerSide)
+    # ==================================================================================
     def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "scheduler-side hook called on a worker connector"
         return self._scheduler
 
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens after ``num_computed_tokens`` the cache can supply, and whether they load
         in the background (``load_async``)."""
         side = self._scheduler_side()
         n = side.matched_tokens(request, num_computed_tokens)
-        return n, n > 0 and side.claim_is_async(request.request_id)
+        return n, n > 0 and side.claim_is_async(compat.request_id(request))
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """Remember the request's blocks; queue a load when tokens were claimed."""
-        block_ids = blocks.get_block_ids()[0] if blocks is not None else []
+        block_ids = compat.allocated_block_ids(blocks)
         self._scheduler_side().after_alloc(request, block_ids, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads and saves."""
         side = self._scheduler_side()
-        side.finished(scheduler_output.finished_req_ids)
+        side.finished(compat.finished_req_ids(scheduler_output))
         return NopecacheConnectorMetadata(side.build_step(scheduler_output))
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Feed the workers' reports into the totals and the cost model."""
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        meta = compat.worker_metadata(connector_output)
         if isinstance(meta, NopecacheWorkerMetadata):
             self._scheduler_side().on_report(meta.report)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Stores copy their KV at once, so blocks can be freed now."""
-        self._scheduler_side().finished([request.request_id])
+        self._scheduler_side().finished([compat.request_id(request)])
         return False, None
 
-    def take_events(self) -> Iterable[Any]:
+    def take_events(self) -> Iterable[KVCacheEvent]:
         """BlockStored for blocks this engine stored, BlockRemoved for those since evicted."""
         side = self._scheduler_side()
-        removed = [maybe_convert_block_hash(h) for h in side.take_removed()]
-        if removed:
-            yield BlockRemoved(block_hashes=removed, medium=MEDIUM)
-        for stored in side.take_stored():
-            hashes = [maybe_convert_block_hash(h) for h in stored.block_hashes]
-            if not hashes:
-                continue
-            yield BlockStored(
-                block_hashes=hashes,
-                parent_block_hash=None,
-                token_ids=list(stored.token_ids[: len(hashes) * stored.block_size]),
-                block_size=stored.block_size,
-                lora_id=None,
-                medium=MEDIUM,
-                lora_name=None,
-            )
+        yield from compat.kv_events(side.take_removed(), side.take_stored(), MEDIUM)
 
+    # ==================================================================================
+    # Metrics (metrics.py)
+    # ==================================================================================
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         """Rebuild stats sent from a worker."""
@@ -391,8 +291,8 @@ class NopecacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: Any,
-        metric_types: dict[Any, Any],
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics:

@@ -17,7 +17,7 @@ CPU attention backend (``CPU_ATTN``), per layer ``[num_blocks, kv_heads, block_s
     +---------------------------------------+---------------------------------------+
 
 (what vLLM 0.32's ``cpu_attn_reshape_and_cache`` writes for its ``vec`` ISA; the
-connector re-checks it against that op at start-up, see ``vllm.py``).
+connector re-checks it against that op at start-up, see ``compat.verify_cpu_layout``).
 
 FlashAttention (GPU), per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``:
 ``cache[0]`` is K, ``cache[1]`` is V, both in the standard paged layout.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nopecache.client.errors import NopecacheError
+from nopecache.integrations.vllm.errors import UnsupportedLayoutError
 
 __all__ = [
     "CpuAttnLayout",
@@ -43,10 +43,6 @@ __all__ = [
     "UnsupportedLayoutError",
     "detect_layout",
 ]
-
-
-class UnsupportedLayoutError(NopecacheError, TypeError):
-    """A layer's KV cache tensor matches no layout the connector knows."""
 
 
 @dataclass(frozen=True, slots=True)

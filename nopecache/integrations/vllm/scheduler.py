@@ -23,6 +23,9 @@ token (blend: before the first position the layer loop computes), so the exact c
 never holds approximate KV; a blend claim also salts vLLM's block hashes from there on
 (``_salt_block_hashes``), so vLLM's own prefix cache never serves those blocks either.
 
+vLLM's ``Request`` and ``SchedulerOutput`` are read through ``compat`` only (the unit
+tests hand in stand-ins with the same attributes).
+
 Concurrency: every method runs on vLLM's scheduler thread; the client is thread-safe.
 """
 
@@ -32,15 +35,21 @@ import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from nopecache.client.chunking import ChunkSpan
 from nopecache.client.errors import NopecacheError
 from nopecache.client.plan import ReusePlan
 from nopecache.client.sync_client import CacheClient
+from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.blend import blend_claim_end, blend_layout, blend_pays
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
 from nopecache.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan, StepReport
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import BlockHash
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 __all__ = [
     "SCHEDULER_COUNTERS",
@@ -69,7 +78,7 @@ _DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 _SALT = b"nopecache-approximate-kv:"
 
 
-def _salt_block_hashes(request: Any, first_block: int, end_block: int | None = None) -> None:
+def _salt_block_hashes(request: Request, first_block: int, end_block: int | None = None) -> None:
     """Give the request's blocks from ``first_block`` on hashes no other request has.
 
     vLLM's prefix cache indexes a computed block by the chained hash of the tokens up to
@@ -83,12 +92,12 @@ def _salt_block_hashes(request: Any, first_block: int, end_block: int | None = N
     before it keep their hashes and stay shared. ``end_block``: salt only up to there
     (the rest already is).
     """
-    hashes = getattr(request, "block_hashes", None)
-    if not isinstance(hashes, list):
+    hashes = compat.block_hashes(request)
+    if hashes is None:
         return
-    salt = _SALT + str(request.request_id).encode()
+    salt = _SALT + str(compat.request_id(request)).encode()
     for i in range(first_block, len(hashes) if end_block is None else end_block):
-        hashes[i] = hashlib.sha256(salt + bytes(hashes[i])).digest()
+        hashes[i] = cast("BlockHash", hashlib.sha256(salt + bytes(hashes[i])).digest())
 
 
 def claim_end(plan: ReusePlan, *, contiguous: bool, limit: int, block_size: int) -> int:
@@ -134,14 +143,14 @@ class Claim:
 class StoredBlocks:
     """Blocks this engine made available in the shared cache (for a KV event)."""
 
-    block_hashes: tuple[Any, ...]  # vLLM's own block hashes
+    block_hashes: tuple[BlockHash, ...]  # vLLM's own block hashes
     token_ids: tuple[int, ...]
     block_size: int
 
 
 @dataclass(slots=True)
 class _Tracked:
-    request: Any  # vLLM's Request (for its block hashes)
+    request: Request  # for its block hashes
     tokens: tuple[int, ...]  # the prompt
     block_ids: list[int]
     computed: int  # tokens computed before this step
@@ -187,22 +196,22 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._events: list[StoredBlocks] = []
         # vLLM block hashes announced as stored and not yet seen gone (for BlockRemoved).
-        self._advertised: set[Any] = set()
-        self._removed: list[Any] = []
+        self._advertised: set[BlockHash] = set()
+        self._removed: list[BlockHash] = []
         self._salted: dict[str, int] = {}  # request -> first block salted
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
 
     # -- claims -----------------------------------------------------------------------
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` that the cache can supply (0 on failure)."""
         if self.client is None or not self.config.load:
             return 0
-        req_id = request.request_id
+        req_id = compat.request_id(request)
         known = self._claims.get(req_id)
         if known is not None and known.start == num_computed_tokens:
             return known.end - known.start
-        prompt = tuple(request.prompt_token_ids or ())
+        prompt = compat.prompt_token_ids(request)
         bs = self.model.block_size
         limit = (len(prompt) - 1) // bs * bs if prompt else 0
         if limit <= num_computed_tokens:
@@ -232,8 +241,9 @@ class SchedulerSide:
         self._claims[req_id] = claim
         return claim.end - claim.start
 
-    def _blend_claim(self, request: Any, plan: ReusePlan, prefix: Claim, limit: int) -> Claim:
+    def _blend_claim(self, request: Request, plan: ReusePlan, prefix: Claim, limit: int) -> Claim:
         """The blend claim of ``plan`` when it pays, else the prefix claim ``prefix``."""
+        req_id = compat.request_id(request)
         bs = self.model.block_size
         start = prefix.start
         end = blend_claim_end(plan, start=start, limit=limit, block_size=bs)
@@ -254,7 +264,7 @@ class SchedulerSide:
             log.info(
                 "nopecache: %s: blend claim [%d, %d) does not pay (%d reused of %d, "
                 "%.0f%% recomputed); claiming the prefix",
-                request.request_id,
+                req_id,
                 start,
                 end,
                 layout.num_pi,
@@ -266,10 +276,10 @@ class SchedulerSide:
         # position on, nothing is stored and vLLM's prefix cache files nothing as exact.
         approximate_from = layout.prefix_end
         first = approximate_from // bs
-        salted = self._salted.get(request.request_id)  # a retried claim keeps its salt
+        salted = self._salted.get(req_id)  # a retried claim keeps its salt
         if salted is None or first < salted:
             _salt_block_hashes(request, first, salted)
-            self._salted[request.request_id] = first
+            self._salted[req_id] = first
         return Claim(
             prefix.tokens,
             trim_plan(plan, end),
@@ -312,19 +322,19 @@ class SchedulerSide:
         claim = self._claims.get(req_id)
         return self.config.load_async and claim is not None and not claim.blend
 
-    def _note_gone(self, request: Any, found_blocks: int, looked_up_blocks: int) -> None:
+    def _note_gone(self, request: Request, found_blocks: int, looked_up_blocks: int) -> None:
         """Announced blocks a lookup no longer finds were evicted: report them removed."""
         if not self._advertised:
             return
-        hashes = getattr(request, "block_hashes", ())[found_blocks:looked_up_blocks]
+        hashes = (compat.block_hashes(request) or [])[found_blocks:looked_up_blocks]
         gone = [h for h in hashes if h in self._advertised]
         if gone:
             self._advertised.difference_update(gone)
             self._removed.extend(gone)
 
-    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
+    def after_alloc(self, request: Request, block_ids: Sequence[int], num_external: int) -> None:
         """Record the blocks vLLM allocated; queue a load when tokens were claimed."""
-        req_id = request.request_id
+        req_id = compat.request_id(request)
         claim = self._claims.pop(req_id, None)
         approximate_from: int | None = None
         if num_external > 0 and claim is not None:
@@ -349,7 +359,7 @@ class SchedulerSide:
                 self.totals.claimed_pi_tokens += load.pi_tokens
                 if load.pi_tokens:
                     approximate_from = max(claim.start, claim.plan.prefix_end)
-        prompt = tuple(request.prompt_token_ids or ())
+        prompt = compat.prompt_token_ids(request)
         tracked = self._tracked.get(req_id)
         if tracked is None:
             self._tracked[req_id] = _Tracked(request, prompt, list(block_ids), 0, approximate_from)
@@ -359,24 +369,17 @@ class SchedulerSide:
                 tracked.approximate_from = approximate_from
 
     # -- steps ------------------------------------------------------------------------
-    def _update_blocks(self, scheduler_output: Any) -> None:
-        for new in scheduler_output.scheduled_new_reqs:
-            tracked = self._tracked.get(new.req_id)
-            if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
-                tracked.computed = new.num_computed_tokens
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
-        for i, req_id in enumerate(cached.req_ids):
-            tracked = self._tracked.get(req_id)
+    def _update_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        for scheduled in compat.scheduled_requests(scheduler_output):
+            tracked = self._tracked.get(scheduled.req_id)
             if tracked is None:
                 continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in resumed and new_ids is not None:
-                tracked.block_ids = list(new_ids[0])
-            elif new_ids is not None:
-                tracked.block_ids.extend(new_ids[0])
-            tracked.computed = cached.num_computed_tokens[i]
+            if scheduled.block_ids is not None:
+                if scheduled.replaces_blocks:
+                    tracked.block_ids = list(scheduled.block_ids)
+                else:
+                    tracked.block_ids.extend(scheduled.block_ids)
+            tracked.computed = scheduled.num_computed_tokens
 
     def _save(self, req_id: str, tracked: _Tracked, num_scheduled: int) -> SaveSpec | None:
         bs = self.model.block_size
@@ -391,18 +394,18 @@ class SchedulerSide:
             return None
         # vLLM hashes whole blocks only: the KV event announces those.
         whole = end // bs
-        hashes = tuple(getattr(tracked.request, "block_hashes", ())[:whole])
+        hashes = tuple((compat.block_hashes(tracked.request) or [])[:whole])
         tokens = tracked.tokens[:end]
         if whole:
             self._events.append(StoredBlocks(hashes, tokens[: whole * bs], bs))
         self._advertised.update(hashes)
         return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: -(-end // bs)]))
 
-    def build_step(self, scheduler_output: Any) -> StepPlan:
+    def build_step(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """The loads and saves of this step; resets the pending loads."""
         self._update_blocks(scheduler_output)
         saves: list[SaveSpec] = []
-        for req_id, num in scheduler_output.num_scheduled_tokens.items():
+        for req_id, num in compat.num_scheduled_tokens(scheduler_output).items():
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
@@ -410,7 +413,8 @@ class SchedulerSide:
             if spec is not None:
                 saves.append(spec)
         loads, self._loads = tuple(self._loads), []
-        return StepPlan(loads, tuple(saves), int(scheduler_output.total_num_scheduled_tokens))
+        total = compat.total_scheduled_tokens(scheduler_output)
+        return StepPlan(loads, tuple(saves), total)
 
     def on_report(self, report: StepReport | None) -> None:
         """Fold the workers' account of a step into the totals and the cost model."""
@@ -441,7 +445,7 @@ class SchedulerSide:
         events, self._events = self._events, []
         return events
 
-    def take_removed(self) -> list[Any]:
+    def take_removed(self) -> list[BlockHash]:
         """vLLM hashes of announced blocks found evicted since the last call."""
         removed, self._removed = self._removed, []
         return removed

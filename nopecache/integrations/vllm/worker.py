@@ -28,11 +28,12 @@ import re
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import torch
+from torch import nn
 
 from nopecache.client.errors import NopecacheError
+from nopecache.client.fetching import FetchResult
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm.blend import blend_layout
 from nopecache.integrations.vllm.blend_loop import (
@@ -128,7 +129,7 @@ class WorkerSide:
         self.caches = tuple(cache for _, cache in ordered)
         return self.layout
 
-    def bind_model(self, attention_layers: Mapping[str, Any]) -> None:
+    def bind_model(self, attention_layers: Mapping[str, nn.Module]) -> None:
         """Find the served model for blend mode's loop; on failure say why (prefix mode)."""
         if not self.config.blend or self.blend_unavailable is not None:
             return
@@ -235,7 +236,7 @@ class WorkerSide:
             self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
             self._report.loaded_bytes += result.nbytes
 
-    def _blend_one(self, spec: LoadSpec, result: Any) -> None:
+    def _blend_one(self, spec: LoadSpec, result: FetchResult) -> None:
         """Place the loaded hits of ``[start, end)``, then run the layer loop over it."""
         assert self.layout is not None and result.k is not None and result.v is not None
         loaded = result.mask

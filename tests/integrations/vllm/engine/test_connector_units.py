@@ -13,12 +13,13 @@ from vllm.engine.arg_utils import EngineArgs
 
 from nopecache.integrations.vllm.blend import blend_unsupported_reason
 from nopecache.integrations.vllm.blend_loop import BlendUnavailableError, find_model
+from nopecache.integrations.vllm.compat import verify_cpu_layout
 from nopecache.integrations.vllm.config import (
     ConnectorConfigError,
     UnsupportedEngineError,
     model_identity,
 )
-from nopecache.integrations.vllm.connector import NopecacheConnector, _verify_cpu_layout
+from nopecache.integrations.vllm.connector import NopecacheConnector
 from nopecache.integrations.vllm.layout import CpuAttnLayout, UnsupportedLayoutError
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
@@ -27,7 +28,7 @@ from nopecache.proto.block import StoredForm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [32, 128])
 def test_cpu_layout_reads_what_vllm_writes(dtype: torch.dtype, block_size: int) -> None:
-    _verify_cpu_layout(CpuAttnLayout(block_size, 3, 64), dtype)  # raises on any mismatch
+    verify_cpu_layout(CpuAttnLayout(block_size, 3, 64), dtype)  # raises on any mismatch
 
 
 class _KRowMajor(CpuAttnLayout):
@@ -42,7 +43,7 @@ class _KRowMajor(CpuAttnLayout):
 
 def test_a_layout_vllm_does_not_write_is_refused() -> None:
     with pytest.raises(UnsupportedLayoutError, match="does not write the layout"):
-        _verify_cpu_layout(_KRowMajor(128, 3, 64), torch.bfloat16)
+        verify_cpu_layout(_KRowMajor(128, 3, 64), torch.bfloat16)
 
 
 def _vllm_config(model_dir: str, **kwargs: object) -> object:

@@ -1,0 +1,115 @@
+"""The connector's counters in vLLM's stats logger and in Prometheus (``vllm:nopecache_*``).
+
+Each interval the scheduler connector reports its lookup and claim counters
+(``scheduler.SCHEDULER_COUNTERS``) and each worker the numeric fields of its
+``StepReport``, as :class:`NopecacheStats`; vLLM sums them (``aggregate``), logs them
+(``reduce``) and hands them to :class:`NopecachePromMetrics`, which adds them to one
+counter per key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from nopecache.integrations.vllm.metadata import StepReport
+from nopecache.integrations.vllm.scheduler import SCHEDULER_COUNTERS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+
+__all__ = ["STAT_FIELDS", "WORKER_COUNTERS", "NopecachePromMetrics", "NopecacheStats"]
+
+WORKER_COUNTERS = tuple(
+    f.name for f in dataclasses.fields(StepReport) if f.name not in ("failed_requests",)
+)
+"""The StepReport fields a worker reports (the numeric ones)."""
+STAT_FIELDS = tuple(dict.fromkeys((*SCHEDULER_COUNTERS, *WORKER_COUNTERS)))
+"""Every counter, scheduler's first, in the order vLLM logs them."""
+
+
+@dataclasses.dataclass
+class NopecacheStats(KVConnectorStats):
+    """Connector counters of an interval: StepReport's numeric fields, summed."""
+
+    @classmethod
+    def of_report(cls, report: StepReport) -> NopecacheStats:
+        """A worker's counters: the report's numeric fields."""
+        return cls(data={k: getattr(report, k) for k in WORKER_COUNTERS})
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Add ``other``'s counters to these."""
+        for key, value in other.data.items():
+            if key in STAT_FIELDS:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The counters, as logged."""
+        return {k: self.data.get(k, 0) for k in STAT_FIELDS}
+
+    def is_empty(self) -> bool:
+        """True when nothing was counted."""
+        return not any(self.data.get(k) for k in STAT_FIELDS)
+
+
+class NopecachePromMetrics(KVConnectorPromMetrics):
+    """``vllm:nopecache_*`` Prometheus counters of the connector, per engine.
+
+    The ``vllm:`` prefix puts them beside vLLM's own metrics (``LLM.get_metrics()`` and
+    the server's ``/metrics`` list only those).
+    """
+
+    _COUNTERS: ClassVar[dict[str, str]] = {
+        "loaded_exact_tokens": "Prompt tokens loaded from exact-prefix blocks (lossless)",
+        "loaded_pi_tokens": "Prompt tokens loaded from position-independent blocks",
+        "loaded_bytes": "Block bytes fetched from nopecache servers",
+        "load_seconds": "Seconds spent fetching and placing loads",
+        "load_errors": "Claimed blocks that failed to load (vLLM recomputed them)",
+        "saved_tokens": "Prompt tokens handed to the store queue",
+        "save_dropped": "Stores dropped because the client's queue was full",
+        "lookups": "Prompts looked up",
+        "lookup_failures": "Lookups that failed (the request ran uncached)",
+        "claimed_exact_tokens": "Prompt tokens claimed from exact-prefix hits",
+        "claimed_pi_tokens": "Prompt tokens claimed from position-independent hits",
+        "blend_claimed_tokens": "Prompt tokens claimed in blend mode (hits and the misses between)",
+        "blend_miss_tokens": "Claimed tokens the blend loop computed as misses",
+        "pi_token_layers": "Reused position-independent tokens x layers of blend claims",
+        "recomputed_token_layers": "Of those token-layers, the ones the blend loop recomputed",
+        "blend_fallbacks": "Requests whose blend claim was refused or fell back to the prefix",
+    }
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        """Register one counter per key of ``_COUNTERS``."""
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, doc in self._COUNTERS.items():
+            counter = self._counter_cls(
+                name=f"vllm:nopecache_{key}", documentation=doc, labelnames=labelnames
+            )
+            self._counters[key] = {
+                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add an interval's counters."""
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
