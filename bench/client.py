@@ -144,7 +144,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, one pass")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.reps = 256, 1
     tokens = args.tokens
     rope = RopeSpec.default(HEAD_DIM, theta=500000.0)
     fp = ModelFingerprint.from_rope_spec(

@@ -254,12 +254,18 @@ def main() -> None:
     """Run every case and print the RESULT line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: the smollm2 shape only, one pass"
+    )
     parser.add_argument("--cold-child", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold_child:
         cold_child(args.cold_child)
         return
     models = [Model(name, *shape) for name, shape in SHAPES.items()]
+    if args.quick:
+        args.reps = 1
+        models = [m for m in models if m.name == COLD_SHAPE]
     total = sum(m.layers * m.heads * m.dim * 2 * 2 * n for m in models for n in SIZES)
     # Room for every case's fetch blocks; the put runs' fresh blocks push out older ones.
     capacity = f"{math.ceil(total * 1.5 / 2**20)}MiB"
