@@ -61,6 +61,23 @@ from nopecache.client.cost import CostConfig
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "tcp_gbps",
+    "fetch_gbps",
+    "fetch_vs_tcp",
+    "fetch_4096_vs_1024",
+    "shm_gbps",
+    "shm_vs_memcpy",
+    "cold_vs_warm",
+    "put_gbps",
+    "put_vs_tcp",
+    "put_grpc_gbps",
+    "grpc_gbps",
+    "grpc_vs_tcp",
+)
+
 DTYPE = torch.bfloat16
 PREFIX_BLOCK = 256
 SHAPES = {"smollm2": (30, 3, 64), "llama3-8b": (32, 8, 128)}

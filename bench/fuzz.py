@@ -38,6 +38,16 @@ from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.block import StoredForm, build_block
 from tests.support.ready import wait_serving
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "inputs",
+    "crashes",
+    "undefined_statuses",
+    "digest_violations",
+    "inputs_per_s",
+)
+
 SERVICE = "/nopecache.v1.KVCache/"
 ALICE = "alice-token-7f3a9c1e5b2d4068"
 BOB = "bob-token-2c8e6a4f1d3b5079"

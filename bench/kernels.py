@@ -50,6 +50,18 @@ import torch
 from nopecache.kernels import RopeSpec, rerope_scatter_layers
 from nopecache.kernels.api import rotate, validate_scatter_layers
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "device",
+    "rotate_gbps",
+    "scatter_gbps",
+    "copy_gbps",
+    "scatter_vs_copy_4k",
+    "scatter_vs_copy_16k",
+    "scatter_vs_copy",
+)
+
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 TOKENS = (1024, 4096, 16384)
 MAX_POSITION = 131072

@@ -65,6 +65,25 @@ from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import StoredForm, build_block
 from tests.support.ready import wait_serving
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "ops",
+    "ops_per_s",
+    "p50_ms",
+    "p99_ms",
+    "errors",
+    "rss_mib",
+    "idle_rss_mib",
+    "inflight_mib",
+    "capacity_mib",
+    "rss_over_capacity",
+    "hostile_rss_over_budget",
+    "victim_p99_ms",
+    "victim_alone_p99_ms",
+    "quota_overrun",
+)
+
 TASKS = 64
 CHANNELS = 8
 SIZES = (32 * 1024, 128 * 1024, 512 * 1024)

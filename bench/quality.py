@@ -93,6 +93,26 @@ from nopecache.proto.block import StoredForm
 from nopecache.recompute import policies as rc
 from tests.support.local_model import load_model, load_tokenizer
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "exact_kl",
+    "none_top1",
+    "none_kl",
+    "firstk_top1",
+    "deviation_top1",
+    "deviation_kl",
+    "deviation_recompute",
+    "deviation_gap_recovered",
+    "best_gap_recovered_at_25",
+    "fact_kept",
+    "speedup",
+    "report_gap_at_budget",
+    "report_fact_kept",
+    "budget_error_pp",
+    "e2e_speedup",
+)
+
 BUDGET = 0.15
 MAX_SHARE = 0.25
 SPEED_CHUNK_TOKENS = 1000
@@ -279,7 +299,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--configs", default="", help="only configurations whose label contains this"
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 1 prompt, only the configurations the RESULT line names, one round",
+    )
     args = parser.parse_args(argv)
+    quick_configs = args.quick and not args.configs
+    if args.quick:
+        args.prompts, args.repeat = args.prompts or 1, 1
     # A SIGTERM unwinds like an exception, so the server child is killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
@@ -313,7 +341,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 prompts = half(name)
                 prompts = prompts[: args.prompts] if args.prompts else prompts
                 named = (BASELINE, FIRST_K, DEVIATION, DEFAULT)  # the RESULT line needs them
-                configs = [c for c in CONFIGS if args.configs in c.label or c in named]
+                configs = [
+                    c
+                    for c in CONFIGS
+                    if c in named or (args.configs in c.label and not quick_configs)
+                ]
                 results[name] = evaluate(
                     engine, tokenizer, client, prompts, configs, stop, progress
                 )

@@ -58,6 +58,29 @@ from nopecache.proto.block import StoredForm, build_block
 from nopecache.proto.frames import encode_put_frame
 from tests.support.ready import ProcessExited, last_lines, wait_serving
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "put_gbps",
+    "get_gbps",
+    "grpc_raw_gbps",
+    "redis_get_gbps",
+    "redis_set_gbps",
+    "get_vs_grpc_raw",
+    "get_vs_redis",
+    "put_vs_redis",
+    "get_gbps_1m",
+    "put_gbps_1m",
+    "grpc_raw_gbps_1m",
+    "redis_get_gbps_1m",
+    "get_gbps_8m",
+    "put_gbps_8m",
+    "grpc_raw_gbps_8m",
+    "redis_get_gbps_8m",
+    "lookup4096_p50_ms",
+    "lookup4096_p99_ms",
+)
+
 MiB = 1024 * 1024
 RAW_METHOD = "/nopecache.bench.Raw/Stream"
 LOOKUP_KEYS = 4096

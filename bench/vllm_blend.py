@@ -61,6 +61,18 @@ from tests.support.engine_proc import EngineConfig, EngineProc, stop_all  # noqa
 from tests.support.redis_procs import free_ports  # noqa: E402
 from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E402
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "blend_ttft_speedup",
+    "blend_reused",
+    "blend_recompute",
+    "blend_top1",
+    "blend_kl",
+    "blend_fact_kept",
+    "prefix_mode_reused",
+)
+
 IM_START = 1  # SmolLM2's <|im_start|>: every chat message starts with it
 MAX_ANSWER = 24
 TOP = 20

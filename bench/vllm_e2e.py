@@ -51,6 +51,19 @@ from tests.support.engine_proc import EngineConfig, EngineProc, common_prefix  #
 from tests.support.redis_procs import free_ports  # noqa: E402
 from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E402
 
+# The RESULT line's keys, in order (``--peer lmcache`` adds lmcache_*): tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "ttft_cold_ms",
+    "ttft_cached_ms",
+    "ttft_speedup",
+    "claimed_tokens",
+    "stored_prefix_tokens",
+    "pi_claimed_tokens",
+    "pi_top1",
+    "pi_kl",
+)
+
 IM_START = 1  # SmolLM2's <|im_start|>
 ROUNDS = 3
 CONTINUATION = 64

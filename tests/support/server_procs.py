@@ -92,7 +92,7 @@ class CacheServerProc:
                 self.log_path,
                 timeout_s=timeout_s,
                 service=SERVICE_NAME,
-                what=f"cache server on port {self.port}",
+                what="cache server",
             )
         except ProcessNotReady:
             self.kill()
