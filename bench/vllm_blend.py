@@ -42,11 +42,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ RESULT_KEYS = (
 
 IM_START = 1  # SmolLM2's <|im_start|>: every chat message starts with it
 MAX_ANSWER = 24
+QUICK_ANSWER = 4  # answer tokens in --quick: enough for KL and top-1 at a few positions
 TOP = 20
 _COUNTERS = (
     "loaded_exact_tokens",
@@ -184,7 +186,9 @@ def _through_connector(engine: EngineProc, prompt: list[int]) -> list[Any]:
     return lps
 
 
-def run_shape(shape: Shape, engines: Engines, ids: Any, address: str, rounds: int) -> ShapeResult:
+def run_shape(
+    shape: Shape, engines: Engines, ids: Any, address: str, rounds: int, max_answer: int
+) -> ShapeResult:
     """Store, time and check one shape (steps 1-3 of the module docstring)."""
     result = ShapeResult(shape.name)
     entries = wait_stored(address, at_least=0, timeout_s=30)
@@ -205,7 +209,7 @@ def run_shape(shape: Shape, engines: Engines, ids: Any, address: str, rounds: in
 
     for question, expected in shape.questions:
         prompt = ids(shape.asking(question))
-        ref_answer = engines.ref.generate(prompt, max_tokens=MAX_ANSWER)
+        ref_answer = engines.ref.generate(prompt, max_tokens=max_answer)
         answer = list(ref_answer["ids"])
         forced = prompt + answer
         ref_lps = engines.ref.generate(forced, max_tokens=1, prompt_logprobs=TOP)
@@ -221,7 +225,7 @@ def run_shape(shape: Shape, engines: Engines, ids: Any, address: str, rounds: in
             answer,
             len(prompt),
         )
-        blend_answer = engines.blend.generate(prompt, max_tokens=MAX_ANSWER)
+        blend_answer = engines.blend.generate(prompt, max_tokens=max_answer)
         result.questions += 1
         if expected.lower() in ref_answer["text"].lower():
             result.facts_ref += 1
@@ -324,7 +328,15 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.15, help="recompute budget (blend)")
     parser.add_argument("--rounds", type=int, default=3, help="TTFT rounds per shape")
     parser.add_argument("--shapes", nargs="*", default=None, help="run only these shapes")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (make test): the shortest shape, its first question, one round, "
+        f"{QUICK_ANSWER}-token answers",
+    )
     args = parser.parse_args()
+    # A SIGTERM unwinds like Ctrl-C: the finally below stops every engine and the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model = args.model or os.environ.get("NOPECACHE_VLLM_MODEL")
     if not model:
@@ -339,9 +351,13 @@ def main() -> None:
     shapes = [make() for make in SHAPES]
     if args.shapes:
         shapes = [s for s in shapes if s.name in args.shapes]
+    max_answer = MAX_ANSWER
+    if args.quick:
+        shortest = min(shapes, key=lambda s: len(ids(s.stored)) + len(ids(s.asking(""))))
+        shapes = [replace(shortest, questions=shortest.questions[:1])]
+        args.rounds, max_answer = 1, QUICK_ANSWER
     work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-blend-"))
     server = CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=2GiB&pinned=no",))
-    server.start()
     url = f"nopecache://{server.address}"
     seg: dict[str, Any] = {"url": url, "segment_token_ids": [IM_START]}
     configs = {
@@ -354,12 +370,13 @@ def main() -> None:
     }
     procs: dict[str, EngineProc] = {}
     try:
+        server.start()
         procs = _start_all(configs, work)
         engines = Engines(procs["store"], procs["blend"], procs["prefix"], procs["ref"])
         print(f"engines ready (logs in {work})", flush=True)
         results = []
         for shape in shapes:
-            result = run_shape(shape, engines, ids, server.address, args.rounds)
+            result = run_shape(shape, engines, ids, server.address, args.rounds, max_answer)
             print(
                 f"{shape.name}: {result.prompt_tokens} tokens, {args.pi_reuse} reused "
                 f"{result.blend_reused:.0f}, prefix reused {result.prefix_reused:.0f}, TTFT "
