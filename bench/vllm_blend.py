@@ -386,6 +386,10 @@ def main() -> None:
             )
             results.append(result)
     finally:
+        # The stop is bounded (stop_all kills an engine that does not quit in time): a
+        # second Ctrl-C or SIGTERM must not cut it short and leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_all(list(procs.values()))
         server.stop()
     print_table(results, args.pi_reuse)

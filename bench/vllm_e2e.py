@@ -332,6 +332,10 @@ def main() -> None:
             result["lmcache_ttft_speedup"] = peer["ttft_speedup"]
             result["lmcache_claimed_tokens"] = peer["claimed_tokens"]
     finally:
+        # The stop is bounded (stop_all kills an engine that does not quit in time): a
+        # second Ctrl-C or SIGTERM must not cut it short and leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_all(list(procs.values()))
         server.stop()
         if peer_server is not None:
