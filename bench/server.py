@@ -27,6 +27,11 @@ Throughputs are GB/s (10^9 bytes per second) of block bytes; each is the best of
 
 The unsuffixed throughputs are over both sizes together (total bytes / total time), the
 ratios are the worse of the two sizes.
+
+The server's limits are set as a user would for this data: ``max_request_bytes`` holds
+the largest Put (every block of one size), a client's in-flight share holds that request
+and the total holds the share (none below its default). ``--quick`` is a smoke run (2 MiB
+per size, one pass, 20 Lookups) with the same RESULT keys.
 """
 
 from __future__ import annotations
