@@ -49,6 +49,9 @@ RESULT_KEYS = (
 )
 
 SERVICE = "/nopecache.v1.KVCache/"
+# --quick: a count, not a time, so a quick run makes the same inputs on a fast machine as
+# on a loaded one (a few seconds either way).
+QUICK_INPUTS = 150
 ALICE = "alice-token-7f3a9c1e5b2d4068"
 BOB = "bob-token-2c8e6a4f1d3b5079"
 AUTHORIZATIONS = [
@@ -310,10 +313,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="time budget (default 60)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 seconds")
+    parser.add_argument(
+        "--inputs", type=int, default=0, help="stop after this many inputs (default 0: none)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smoke run: the first {QUICK_INPUTS} inputs of the seed (the same on any machine)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.seconds = 2.0
+        args.inputs = args.inputs or QUICK_INPUTS
     rng = random.Random(args.seed)
     statuses: collections.Counter[str] = collections.Counter()
     inputs = crashes = undefined = violations = 0
@@ -322,7 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         target.start()
         started = time.monotonic()
         try:
-            while time.monotonic() - started < args.seconds:
+            while time.monotonic() - started < args.seconds and not (
+                args.inputs and inputs >= args.inputs
+            ):
                 method, payload, may_change = rng.choice(GENERATORS)(rng)
                 authorization = rng.choice(AUTHORIZATIONS)
                 code, replies = target.call(method, payload, authorization)
