@@ -245,7 +245,7 @@ def _start_all(configs: dict[str, EngineConfig], work: Path) -> dict[str, Engine
             # First requests allocate: keep them out of the numbers.
             proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
     except BaseException:
-        stop_all(list(procs.values()))
+        stop_all(list(procs.values()), timeout_s=5.0)  # building engines: see main's finally
         raise
     return procs
 
@@ -369,6 +369,7 @@ def main() -> None:
         "ref": EngineConfig(model=model),
     }
     procs: dict[str, EngineProc] = {}
+    finished = False
     try:
         server.start()
         procs = _start_all(configs, work)
@@ -385,12 +386,15 @@ def main() -> None:
                 flush=True,
             )
             results.append(result)
+        finished = True
     finally:
         # The stop is bounded (stop_all kills an engine that does not quit in time): a
         # second Ctrl-C or SIGTERM must not cut it short and leave processes behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_all(list(procs.values()))
+        # On a failure or a signal, engines still building would not read their closed
+        # stdin for a while: a short grace, then they are killed.
+        stop_all(list(procs.values()), timeout_s=30.0 if finished else 5.0)
         server.stop()
     print_table(results, args.pi_reuse)
     fields = " ".join(f"{k}={v:.4f}" for k, v in summary(results).items())

@@ -311,6 +311,7 @@ def main() -> None:
     procs = {name: EngineProc(cfg, work / f"{name}.log") for name, cfg in engines.items()}
     pairs: dict[str, Pair] = {"nopecache": (procs["store"], procs["load"], server.address)}
     peer_server = None
+    finished = False
     try:
         server.start()
         if args.peer == "lmcache":
@@ -331,12 +332,15 @@ def main() -> None:
             result["lmcache_ttft_cached_ms"] = peer["ttft_cached_ms"]
             result["lmcache_ttft_speedup"] = peer["ttft_speedup"]
             result["lmcache_claimed_tokens"] = peer["claimed_tokens"]
+        finished = True
     finally:
         # The stop is bounded (stop_all kills an engine that does not quit in time): a
         # second Ctrl-C or SIGTERM must not cut it short and leave processes behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_all(list(procs.values()))
+        # On a failure or a signal, engines still building would not read their closed
+        # stdin for a while: a short grace, then they are killed.
+        stop_all(list(procs.values()), timeout_s=30.0 if finished else 5.0)
         server.stop()
         if peer_server is not None:
             stop_group(peer_server)
