@@ -15,7 +15,7 @@ VLLM_STAMP := $(VLLM_VENV)/.nopecache-installed
 # The SmolLM2 folder vLLM loads, converted once by the main environment.
 VLLM_MODEL = $$($(BIN)/python -m tests.support.local_model)
 
-.PHONY: all venv vllm demo demo-hf test test-vllm lint typecheck bench bench-vllm proto redis-server lock clean gpu-check
+.PHONY: all venv vllm demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-quick proto redis-server lock clean gpu-check
 
 all: test
 
@@ -90,6 +90,16 @@ bench: venv redis-server
 bench-vllm: vllm
 	@set -e; for b in bench/vllm_*.py; do \
 	  echo "== $$b"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b; done
+
+# Every bench in its --quick mode (tiny sizes, one pass, the same RESULT keys), in the
+# order of `make bench`: a smoke run of seconds each (the vLLM ones start their engines).
+# `make test` runs the same through tests/bench/test_quick.py and, in the vLLM suite,
+# tests/integrations/vllm/engine/test_bench_quick.py.
+bench-quick: venv redis-server vllm
+	@set -e; for b in bench/[!_]*.py; do \
+	  case $$b in bench/vllm_*) continue;; esac; echo "== $$b --quick"; $(BIN)/python $$b --quick; done
+	@set -e; for b in bench/vllm_*.py; do \
+	  echo "== $$b --quick"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b --quick; done
 
 # On a machine with a CUDA device, as it is: no venv, no installs (torch, triton and pytest
 # from the image; this checkout's .venv python when there is one). Every gpu test, then

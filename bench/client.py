@@ -58,6 +58,21 @@ from nopecache.proto.block import StoredForm
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import best_of, cache_server
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "grpc_gbps",
+    "shm_gbps",
+    "memcpy_gbps",
+    "shm_vs_memcpy",
+    "grpc_vs_memcpy",
+    "get_gbps",
+    "place_gbps",
+    "pipeline",
+    "shm_get_gbps",
+    "shm_vs_grpc",
+)
+
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 PAGE = 16  # tokens per paged-cache block (vLLM's default)
@@ -144,7 +159,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, one pass")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.reps = 256, 1
     tokens = args.tokens
     rope = RopeSpec.default(HEAD_DIM, theta=500000.0)
     fp = ModelFingerprint.from_rope_spec(

@@ -61,6 +61,23 @@ from nopecache.client.cost import CostConfig
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "tcp_gbps",
+    "fetch_gbps",
+    "fetch_vs_tcp",
+    "fetch_4096_vs_1024",
+    "shm_gbps",
+    "shm_vs_memcpy",
+    "cold_vs_warm",
+    "put_gbps",
+    "put_vs_tcp",
+    "put_grpc_gbps",
+    "grpc_gbps",
+    "grpc_vs_tcp",
+)
+
 DTYPE = torch.bfloat16
 PREFIX_BLOCK = 256
 SHAPES = {"smollm2": (30, 3, 64), "llama3-8b": (32, 8, 128)}
@@ -254,12 +271,18 @@ def main() -> None:
     """Run every case and print the RESULT line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: the smollm2 shape only, one pass"
+    )
     parser.add_argument("--cold-child", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold_child:
         cold_child(args.cold_child)
         return
     models = [Model(name, *shape) for name, shape in SHAPES.items()]
+    if args.quick:
+        args.reps = 1
+        models = [m for m in models if m.name == COLD_SHAPE]
     total = sum(m.layers * m.heads * m.dim * 2 * 2 * n for m in models for n in SIZES)
     # Room for every case's fetch blocks; the put runs' fresh blocks push out older ones.
     capacity = f"{math.ceil(total * 1.5 / 2**20)}MiB"

@@ -54,6 +54,17 @@ from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 from tests.support.local_model import load_tokenizer
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "prefix_hit",
+    "pi_hit",
+    "upper_bound",
+    "pi_vs_upper",
+    "pi_no_segments",
+    "tokens",
+)
+
 BLOCK = 16  # scheme A block size, and the run length that counts as "seen before"
 NAMESPACE = "bench"
 
@@ -240,6 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seed", type=int, default=1234, help="trace seed (default 1234)")
     parser.add_argument("--table", type=Path, default=None, help="also write the table here")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: the first 3 requests of each situation"
+    )
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -249,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: dict[str, Tally] = {}
     total = Tally()
     for name in SITUATIONS:
-        rows[name] = replay(trace[name], tok)
+        rows[name] = replay(trace[name][:3] if args.quick else trace[name], tok)
         total.add(rows[name])
         t = rows[name]
         print(

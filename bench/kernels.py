@@ -50,6 +50,18 @@ import torch
 from nopecache.kernels import RopeSpec, rerope_scatter_layers
 from nopecache.kernels.api import rotate, validate_scatter_layers
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "device",
+    "rotate_gbps",
+    "scatter_gbps",
+    "copy_gbps",
+    "scatter_vs_copy_4k",
+    "scatter_vs_copy_16k",
+    "scatter_vs_copy",
+)
+
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 TOKENS = (1024, 4096, 16384)
 MAX_POSITION = 131072
@@ -244,7 +256,14 @@ def main() -> None:
     """Print one line per token count, then the RESULT line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other tile shapes")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1 layer instead of 32, one pass"
+    )
     args = parser.parse_args()
+    if args.quick:
+        # Every size and the RESULT keys stay; a 32nd of the bytes keeps it to seconds.
+        global LAYERS
+        LAYERS = 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     spec = RopeSpec.from_hf_config(LLAMA3_8B)
@@ -254,6 +273,8 @@ def main() -> None:
     for tokens in TOKENS:
         # Fewer repetitions where one already moves gigabytes (keeps the CPU run short).
         reps = 10 if device.type == "cuda" else {1024: 5, 4096: 3, 16384: 2}[tokens]
+        if args.quick:
+            reps = 1
         row = measure(tokens, spec, device, reps)
         rows.append(row)
         print(

@@ -93,9 +93,30 @@ from nopecache.proto.block import StoredForm
 from nopecache.recompute import policies as rc
 from tests.support.local_model import load_model, load_tokenizer
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "exact_kl",
+    "none_top1",
+    "none_kl",
+    "firstk_top1",
+    "deviation_top1",
+    "deviation_kl",
+    "deviation_recompute",
+    "deviation_gap_recovered",
+    "best_gap_recovered_at_25",
+    "fact_kept",
+    "speedup",
+    "report_gap_at_budget",
+    "report_fact_kept",
+    "budget_error_pp",
+    "e2e_speedup",
+)
+
 BUDGET = 0.15
 MAX_SHARE = 0.25
 SPEED_CHUNK_TOKENS = 1000
+QUICK_SPEED_CHUNK_TOKENS = 200  # --quick: the speed case's document, a fifth of the size
 PREFIX_BLOCK = 16  # vLLM's page size: exact-prefix blocks end close to the context's end
 
 BASELINE = Config(rc.none())
@@ -157,14 +178,16 @@ class Speed:
     fraction: float
 
 
-def speed_prompt(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int], list[int]]:
+def speed_prompt(
+    tokenizer: PreTrainedTokenizerBase, chunk_tokens: int = SPEED_CHUNK_TOKENS
+) -> tuple[list[int], list[int], list[int]]:
     """System message, a ~1k-token document, a question about it."""
     facts = [p.chunks[0] for p in PROMPTS if p.kind in ("facts", "numbers", "similar")]
     paragraphs: list[str] = []
     for fact, filler in zip(facts, itertools.cycle(FILLER), strict=False):
         paragraphs += [fact, filler]
         text = "Reference documents:\n\n" + "\n\n".join(paragraphs)
-        if len(encode(tokenizer, text)) >= SPEED_CHUNK_TOKENS:
+        if len(encode(tokenizer, text)) >= chunk_tokens:
             break
     system = encode(tokenizer, f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
     chunk = encode(tokenizer, f"<|im_start|>user\n{text}<|im_end|>\n")
@@ -176,13 +199,19 @@ def speed_prompt(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[in
     return system, chunk, question
 
 
-def speed(engine: HFEngine, tokenizer: PreTrainedTokenizerBase, address: str, repeat: int) -> Speed:
+def speed(
+    engine: HFEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    address: str,
+    repeat: int,
+    chunk_tokens: int = SPEED_CHUNK_TOKENS,
+) -> Speed:
     """Full prefill vs cached prefill vs lookup + fetch + cached prefill (see module doc).
 
     The client here runs with its default cost model, told the full prefill's rate as an
     engine would (``observe_prefill``): it keeps a hit only while fetching it is faster.
     """
-    system, chunk, question = speed_prompt(tokenizer)
+    system, chunk, question = speed_prompt(tokenizer, chunk_tokens)
     tokens = system + chunk + question
     segments = [len(system), len(system) + len(chunk)]
     ids = torch.tensor([tokens])
@@ -279,7 +308,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--configs", default="", help="only configurations whose label contains this"
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 1 prompt, only the configurations the RESULT line names, one "
+        "round on a 200-token document",
+    )
     args = parser.parse_args(argv)
+    quick_configs = args.quick and not args.configs
+    if args.quick:
+        args.prompts, args.repeat = args.prompts or 1, 1
     # A SIGTERM unwinds like an exception, so the server child is killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
@@ -313,14 +351,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                 prompts = half(name)
                 prompts = prompts[: args.prompts] if args.prompts else prompts
                 named = (BASELINE, FIRST_K, DEVIATION, DEFAULT)  # the RESULT line needs them
-                configs = [c for c in CONFIGS if args.configs in c.label or c in named]
+                configs = [
+                    c
+                    for c in CONFIGS
+                    if c in named or (args.configs in c.label and not quick_configs)
+                ]
                 results[name] = evaluate(
                     engine, tokenizer, client, prompts, configs, stop, progress
                 )
             last_cases, _ = results[halves[-1]]
             exact = max(exact_prefix_kl(engine, client, c) for c in last_cases[:6])
         progress(f"exact prefix reuse: max mean KL {exact:.2e}")
-        timing = None if args.no_speed else speed(engine, tokenizer, address, args.repeat)
+        chunk_tokens = QUICK_SPEED_CHUNK_TOKENS if args.quick else SPEED_CHUNK_TOKENS
+        timing = (
+            None if args.no_speed else speed(engine, tokenizer, address, args.repeat, chunk_tokens)
+        )
 
     for name, (cases, rows) in results.items():
         base = next(r for r in rows if r.config == BASELINE)

@@ -27,6 +27,11 @@ Throughputs are GB/s (10^9 bytes per second) of block bytes; each is the best of
 
 The unsuffixed throughputs are over both sizes together (total bytes / total time), the
 ratios are the worse of the two sizes.
+
+The server's limits are set as a user would for this data: ``max_request_bytes`` holds
+the largest Put (every block of one size), a client's in-flight share holds that request
+and the total holds the share (none below its default). ``--quick`` is a smoke run (2 MiB
+per size, one pass, 20 Lookups) with the same RESULT keys.
 """
 
 from __future__ import annotations
@@ -56,10 +61,37 @@ from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import StoredForm, build_block
 from nopecache.proto.frames import encode_put_frame
+from tests.support.ready import ProcessExited, last_lines, wait_serving
+
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "put_gbps",
+    "get_gbps",
+    "grpc_raw_gbps",
+    "redis_get_gbps",
+    "redis_set_gbps",
+    "get_vs_grpc_raw",
+    "get_vs_redis",
+    "put_vs_redis",
+    "get_gbps_1m",
+    "put_gbps_1m",
+    "grpc_raw_gbps_1m",
+    "redis_get_gbps_1m",
+    "get_gbps_8m",
+    "put_gbps_8m",
+    "grpc_raw_gbps_8m",
+    "redis_get_gbps_8m",
+    "lookup4096_p50_ms",
+    "lookup4096_p99_ms",
+)
 
 MiB = 1024 * 1024
 RAW_METHOD = "/nopecache.bench.Raw/Stream"
 LOOKUP_KEYS = 4096
+# Servers are ready within seconds on an idle machine; an exit is reported at once, so
+# this bound only guards against a hang, generous for a loaded machine.
+START_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,35 +191,63 @@ class Child:
                 self.proc.wait()
 
 
-def start_cache_server(wire: Wire, capacity: str) -> Child:
-    """The nopecache server on a free port."""
+def server_limits(request_bytes: int) -> list[str]:
+    """The server's memory bounds for a bench whose largest Put stream carries
+    ``request_bytes`` of blocks, as a user would set them: that Put fits one request and
+    one client's in-flight share, and the share fits the total (each never below the
+    server's default)."""
+    defaults = ServerConfig()
+    request = max(defaults.max_request_bytes, request_bytes)
+    per_client = max(defaults.max_inflight_bytes_per_client, request)
+    total = max(defaults.max_inflight_bytes, per_client)
+    return [
+        *("--max-request-bytes", str(request)),
+        *("--max-inflight-bytes-per-client", str(per_client)),
+        *("--max-inflight-bytes", str(total)),
+    ]
+
+
+def start_cache_server(wire: Wire, capacity: str, request_bytes: int, workdir: Path) -> Child:
+    """The nopecache server on a free port, once it serves (ProcessExited at once if it
+    exits first, with its exit code and last log lines)."""
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
         "nopecache.cache_server",
-        "--port",
-        str(port),
+        *("--host", "127.0.0.1", "--port", str(port)),
         "--no-metrics",
         "--tier",
         f"cpu://?capacity={capacity}&pinned=no",
         "--max-message-bytes",
         str(wire.max_message),
-        "--max-request-bytes",
-        "1GiB",
+        *server_limits(request_bytes),
         "--log-level",
         "WARNING",
     ]
-    return Child(subprocess.Popen(cmd), port)
+    log = workdir / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    child = Child(proc, port)
+    try:
+        wait_serving(proc, f"127.0.0.1:{port}", log, timeout_s=START_TIMEOUT_S)
+    except BaseException:
+        child.stop()
+        raise
+    return child
 
 
 def start_raw_server(wire: Wire, counts: dict[int, int]) -> Child:
-    """This file in --raw-server mode; it prints its port when ready."""
+    """This file in --raw-server mode; it prints its port when ready (an exit before that
+    is reported at once: its stdout closes)."""
     cmd = [sys.executable, __file__, "--raw-server", f"--max-message-bytes={wire.max_message}"]
     cmd += [f"--blocks={size}:{count}" for size, count in counts.items()]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert proc.stdout is not None
-    return Child(proc, int(proc.stdout.readline()))
+    line = proc.stdout.readline()
+    if not line.strip():
+        raise ProcessExited("the bare gRPC server", proc.wait(), "(its stderr is above)")
+    return Child(proc, int(line))
 
 
 def start_redis(workdir: Path) -> Child:
@@ -197,13 +257,21 @@ def start_redis(workdir: Path) -> Child:
     port = free_port()
     cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     cmd += ["--appendonly", "no", "--dir", str(workdir), "--proto-max-bulk-len", "64mb"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    log = workdir / "redis.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
     client = redis.Redis(port=port)
-    for _ in range(500):
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise ProcessExited(f"redis-server on port {port}", proc.returncode, last_lines(log))
         try:
             client.ping()
             break
         except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"redis-server on port {port} did not answer PING") from None
             time.sleep(0.02)
     client.close()
     return Child(proc, port)
@@ -460,20 +528,24 @@ async def run_bench(wire: Wire, args: argparse.Namespace) -> None:
         flush=True,
     )
     data = {s: make_blobs(s, counts[s], tag=s) for s in sizes}
+    # The largest Put stream of the bench: every block of one size.
+    request_bytes = max(sum(len(blob) for _, blob in data[s]) for s in sizes)
     workdir = Path(tempfile.mkdtemp(prefix="nopecache-bench-"))
-    servers = Servers(
-        cache=start_cache_server(wire, capacity=f"{4 * args.mib_per_size}MiB"),
-        raw=start_raw_server(wire, counts),
-        redis=start_redis(workdir),
-    )
+    children: list[Child] = []
     try:
+        # Room for every block four times over, and for the largest block whatever the size.
+        capacity = f"{max(4 * args.mib_per_size, 64)}MiB"
+        children.append(start_cache_server(wire, capacity, request_bytes, workdir))
+        children.append(start_raw_server(wire, counts))
+        children.append(start_redis(workdir))
+        servers = Servers(*children)
         results = [await measure_size(wire, servers, s, data[s], args.reps) for s in sizes]
         address = f"127.0.0.1:{servers.cache.port}"
         async with grpc.aio.insecure_channel(address, options=wire.options) as ch:
             stored = [k for s in sizes for k, _ in data[s]]
             lookup_ms = await measure_lookup(cache_pb2_grpc.KVCacheStub(ch), stored, args.lookups)
     finally:
-        for child in (servers.cache, servers.raw, servers.redis):
+        for child in children:
             child.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -525,9 +597,16 @@ def main() -> None:
         default=Wire().max_message,
         help="gRPC message limit for every process (frames are this minus the frame overhead)",
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (what make test runs): 2 MiB per size, one pass, 20 lookups",
+    )
     parser.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.mib_per_size, args.reps, args.lookups = 2, 1, 20
     wire = Wire(args.max_message_bytes)
     # The same allocator setting the server runs with, in every process of the bench, so
     # that the baselines are not slowed by page faults the server avoids.

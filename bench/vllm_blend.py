@@ -42,11 +42,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,21 @@ from tests.support.engine_proc import EngineConfig, EngineProc, stop_all  # noqa
 from tests.support.redis_procs import free_ports  # noqa: E402
 from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E402
 
+# The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "blend_ttft_speedup",
+    "blend_reused",
+    "blend_recompute",
+    "blend_top1",
+    "blend_kl",
+    "blend_fact_kept",
+    "prefix_mode_reused",
+)
+
 IM_START = 1  # SmolLM2's <|im_start|>: every chat message starts with it
 MAX_ANSWER = 24
+QUICK_ANSWER = 4  # answer tokens in --quick: enough for KL and top-1 at a few positions
 TOP = 20
 _COUNTERS = (
     "loaded_exact_tokens",
@@ -172,7 +186,9 @@ def _through_connector(engine: EngineProc, prompt: list[int]) -> list[Any]:
     return lps
 
 
-def run_shape(shape: Shape, engines: Engines, ids: Any, address: str, rounds: int) -> ShapeResult:
+def run_shape(
+    shape: Shape, engines: Engines, ids: Any, address: str, rounds: int, max_answer: int
+) -> ShapeResult:
     """Store, time and check one shape (steps 1-3 of the module docstring)."""
     result = ShapeResult(shape.name)
     entries = wait_stored(address, at_least=0, timeout_s=30)
@@ -193,7 +209,7 @@ def run_shape(shape: Shape, engines: Engines, ids: Any, address: str, rounds: in
 
     for question, expected in shape.questions:
         prompt = ids(shape.asking(question))
-        ref_answer = engines.ref.generate(prompt, max_tokens=MAX_ANSWER)
+        ref_answer = engines.ref.generate(prompt, max_tokens=max_answer)
         answer = list(ref_answer["ids"])
         forced = prompt + answer
         ref_lps = engines.ref.generate(forced, max_tokens=1, prompt_logprobs=TOP)
@@ -209,7 +225,7 @@ def run_shape(shape: Shape, engines: Engines, ids: Any, address: str, rounds: in
             answer,
             len(prompt),
         )
-        blend_answer = engines.blend.generate(prompt, max_tokens=MAX_ANSWER)
+        blend_answer = engines.blend.generate(prompt, max_tokens=max_answer)
         result.questions += 1
         if expected.lower() in ref_answer["text"].lower():
             result.facts_ref += 1
@@ -229,7 +245,7 @@ def _start_all(configs: dict[str, EngineConfig], work: Path) -> dict[str, Engine
             # First requests allocate: keep them out of the numbers.
             proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
     except BaseException:
-        stop_all(list(procs.values()))
+        stop_all(list(procs.values()), timeout_s=5.0)  # building engines: see main's finally
         raise
     return procs
 
@@ -312,7 +328,15 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.15, help="recompute budget (blend)")
     parser.add_argument("--rounds", type=int, default=3, help="TTFT rounds per shape")
     parser.add_argument("--shapes", nargs="*", default=None, help="run only these shapes")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (make test): the shortest shape, its first question, one round, "
+        f"{QUICK_ANSWER}-token answers",
+    )
     args = parser.parse_args()
+    # A SIGTERM unwinds like Ctrl-C: the finally below stops every engine and the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model = args.model or os.environ.get("NOPECACHE_VLLM_MODEL")
     if not model:
@@ -327,9 +351,13 @@ def main() -> None:
     shapes = [make() for make in SHAPES]
     if args.shapes:
         shapes = [s for s in shapes if s.name in args.shapes]
+    max_answer = MAX_ANSWER
+    if args.quick:
+        shortest = min(shapes, key=lambda s: len(ids(s.stored)) + len(ids(s.asking(""))))
+        shapes = [replace(shortest, questions=shortest.questions[:1])]
+        args.rounds, max_answer = 1, QUICK_ANSWER
     work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-blend-"))
     server = CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=2GiB&pinned=no",))
-    server.start()
     url = f"nopecache://{server.address}"
     seg: dict[str, Any] = {"url": url, "segment_token_ids": [IM_START]}
     configs = {
@@ -341,13 +369,15 @@ def main() -> None:
         "ref": EngineConfig(model=model),
     }
     procs: dict[str, EngineProc] = {}
+    finished = False
     try:
+        server.start()
         procs = _start_all(configs, work)
         engines = Engines(procs["store"], procs["blend"], procs["prefix"], procs["ref"])
         print(f"engines ready (logs in {work})", flush=True)
         results = []
         for shape in shapes:
-            result = run_shape(shape, engines, ids, server.address, args.rounds)
+            result = run_shape(shape, engines, ids, server.address, args.rounds, max_answer)
             print(
                 f"{shape.name}: {result.prompt_tokens} tokens, {args.pi_reuse} reused "
                 f"{result.blend_reused:.0f}, prefix reused {result.prefix_reused:.0f}, TTFT "
@@ -356,8 +386,15 @@ def main() -> None:
                 flush=True,
             )
             results.append(result)
+        finished = True
     finally:
-        stop_all(list(procs.values()))
+        # The stop is bounded (stop_all kills an engine that does not quit in time): a
+        # second Ctrl-C or SIGTERM must not cut it short and leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # On a failure or a signal, engines still building would not read their closed
+        # stdin for a while: a short grace, then they are killed.
+        stop_all(list(procs.values()), timeout_s=30.0 if finished else 5.0)
         server.stop()
     print_table(results, args.pi_reuse)
     fields = " ".join(f"{k}={v:.4f}" for k, v in summary(results).items())

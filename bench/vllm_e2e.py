@@ -33,13 +33,16 @@ stored_prefix_tokens=... pi_claimed_tokens=... pi_top1=... pi_kl=...``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,14 +50,44 @@ sys.path.insert(0, str(ROOT))
 
 from _vllm_measure import kl_top1  # noqa: E402
 
-from tests.support.engine_proc import EngineConfig, EngineProc, common_prefix  # noqa: E402
+from tests.support.engine_proc import (  # noqa: E402
+    EngineConfig,
+    EngineProc,
+    common_prefix,
+    stop_all,
+)
 from tests.support.redis_procs import free_ports  # noqa: E402
 from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E402
 
+# The RESULT line's keys, in order (``--peer lmcache`` adds lmcache_*): tests/bench/test_quick.py checks a --quick run
+# prints exactly these.
+RESULT_KEYS = (
+    "ttft_cold_ms",
+    "ttft_cached_ms",
+    "ttft_speedup",
+    "claimed_tokens",
+    "stored_prefix_tokens",
+    "pi_claimed_tokens",
+    "pi_top1",
+    "pi_kl",
+)
+
 IM_START = 1  # SmolLM2's <|im_start|>
-ROUNDS = 3
-CONTINUATION = 64
 TOP = 20
+
+
+@dataclass(frozen=True)
+class Size:
+    """How much each scenario does: TTFT rounds and document sentences (scenario 1), chat
+    turns (the oldest 2/5 dropped) and continuation tokens (scenario 2)."""
+
+    rounds: int = 3
+    sentences: int = 68  # ~1.4k tokens with the question
+    turns: int = 10
+    continuation: int = 64
+
+
+QUICK = Size(rounds=1, sentences=12, turns=5, continuation=4)
 
 _SUBJECTS = [
     "The day pass",
@@ -117,8 +150,8 @@ def _chat(
 Pair = tuple[EngineProc, EngineProc, str | None]  # store engine, load engine, server to watch
 
 
-def exact_prefix(pairs: dict[str, Pair]) -> dict[str, dict[str, float]]:
-    """Scenario 1: TTFT cold vs cached on ~1.5k-token prompts, medians of ROUNDS.
+def exact_prefix(pairs: dict[str, Pair], size: Size) -> dict[str, dict[str, float]]:
+    """Scenario 1: TTFT cold vs cached on ~1.5k-token prompts, medians of the rounds.
 
     Every round runs each system (nopecache, and a peer if any) on the same prompts, one
     after the other, so all see the same machine load.
@@ -126,8 +159,8 @@ def exact_prefix(pairs: dict[str, Pair]) -> dict[str, dict[str, float]]:
     runs: dict[str, dict[str, list[float]]] = {
         name: {"cold": [], "cached": [], "claimed": [], "shared": []} for name in pairs
     }
-    for r in range(ROUNDS):
-        doc = _document(100 + r, 68)
+    for r in range(size.rounds):
+        doc = _document(100 + r, size.sentences)
         for name, (store, load, address) in pairs.items():
             got = runs[name]
             prompt = _chat(load, doc, [], "Which rule mentions the night train first?")
@@ -163,15 +196,17 @@ def exact_prefix(pairs: dict[str, Pair]) -> dict[str, dict[str, float]]:
     return summary
 
 
-def truncated_history(store: EngineProc, load: EngineProc, ref: EngineProc) -> dict[str, float]:
+def truncated_history(
+    store: EngineProc, load: EngineProc, ref: EngineProc, size: Size
+) -> dict[str, float]:
     """Scenario 2: quality of claiming a moved history (pi_reuse=contiguous)."""
     system = "You are Pip, the assistant of Northern Lines. " + _document(7, 12)
-    turns = [(f"Tell me about rule 7.{i}.", _document(200 + i, 5)) for i in range(10)]
+    turns = [(f"Tell me about rule 7.{i}.", _document(200 + i, 5)) for i in range(size.turns)]
     question = "Which of these rules matter for a cyclist?"
     store.generate(_chat(store, system, turns, question), max_tokens=1)
     full = _chat(load, system, turns, question)
-    truncated = _chat(load, system, turns[4:], question)
-    cont = ref.generate(truncated, max_tokens=CONTINUATION)["ids"][:CONTINUATION]
+    truncated = _chat(load, system, turns[size.turns * 2 // 5 :], question)
+    cont = ref.generate(truncated, max_tokens=size.continuation)["ids"][: size.continuation]
     forced = ref.generate(truncated + cont, max_tokens=1, prompt_logprobs=TOP)
     ref_lps = forced["prompt_logprobs"][len(truncated) : len(truncated) + len(cont)]
     before = load.metrics().get("vllm:nopecache_claimed_pi_tokens", 0.0)
@@ -207,7 +242,10 @@ def lmcache_peer(model: str, overlay: Path, work: Path) -> tuple[subprocess.Pope
     cmd += ["--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", str(http_port)]
     cmd += ["--supported-transfer-mode", "auto", "--shm-name", f"nopecache-bench-{port}"]
     with (work / "lmcache-server.log").open("wb") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Its own process group: stop_group() ends whatever the server started too.
+        server = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     time.sleep(5)  # the server binds its ports
     extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
     store, load = (
@@ -226,19 +264,40 @@ def lmcache_peer(model: str, overlay: Path, work: Path) -> tuple[subprocess.Pope
     return server, (store, load, None)
 
 
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a child's process group, SIGKILL it after 30 s (a peer server's workers)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=30)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="vLLM model folder ($NOPECACHE_VLLM_MODEL)")
     parser.add_argument("--peer", choices=["lmcache"], default=None, help="also run a peer")
     parser.add_argument("--lmcache-overlay", type=Path, default=ROOT / ".lmcache-overlay")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (make test): one round, short prompts, 4-token continuation",
+    )
     args = parser.parse_args()
+    size = QUICK if args.quick else Size()
 
     model = args.model or os.environ.get("NOPECACHE_VLLM_MODEL")
     if not model:
         sys.exit("set NOPECACHE_VLLM_MODEL (make bench does) or pass --model")
+    if args.peer == "lmcache" and not (args.lmcache_overlay / "bin" / "lmcache").is_file():
+        sys.exit(f"--peer lmcache needs LMCache in {args.lmcache_overlay} (see the docstring)")
+    # A SIGTERM unwinds like Ctrl-C: the finally below stops every process started here.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-bench-"))
     server = CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=1GiB&pinned=no",))
-    server.start()
     url = f"nopecache://{server.address}"
     seg = {"segment_token_ids": [IM_START]}
     engines = {
@@ -252,29 +311,39 @@ def main() -> None:
     procs = {name: EngineProc(cfg, work / f"{name}.log") for name, cfg in engines.items()}
     pairs: dict[str, Pair] = {"nopecache": (procs["store"], procs["load"], server.address)}
     peer_server = None
-    if args.peer == "lmcache":
-        peer_server, pairs["lmcache"] = lmcache_peer(model, args.lmcache_overlay, work)
-        procs["lmcache-store"], procs["lmcache-load"] = pairs["lmcache"][:2]
+    finished = False
     try:
+        server.start()
+        if args.peer == "lmcache":
+            peer_server, pairs["lmcache"] = lmcache_peer(model, args.lmcache_overlay, work)
+            procs["lmcache-store"], procs["lmcache-load"] = pairs["lmcache"][:2]
+        # Side by side: an engine start is ~30 s, much of it waiting on disk.
+        for proc in procs.values():
+            proc.launch()
         for name, proc in procs.items():
-            proc.start()
+            proc.wait_ready()
             proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
             print(f"engine {name} ready", flush=True)
-        summary = exact_prefix(pairs)
+        summary = exact_prefix(pairs, size)
         result = summary["nopecache"]
-        result.update(truncated_history(procs["store"], procs["load"], procs["ref"]))
+        result.update(truncated_history(procs["store"], procs["load"], procs["ref"], size))
         if "lmcache" in summary:
             peer = summary["lmcache"]
             result["lmcache_ttft_cached_ms"] = peer["ttft_cached_ms"]
             result["lmcache_ttft_speedup"] = peer["ttft_speedup"]
             result["lmcache_claimed_tokens"] = peer["claimed_tokens"]
+        finished = True
     finally:
-        for proc in procs.values():
-            proc.stop()
+        # The stop is bounded (stop_all kills an engine that does not quit in time): a
+        # second Ctrl-C or SIGTERM must not cut it short and leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # On a failure or a signal, engines still building would not read their closed
+        # stdin for a while: a short grace, then they are killed.
+        stop_all(list(procs.values()), timeout_s=30.0 if finished else 5.0)
         server.stop()
         if peer_server is not None:
-            peer_server.terminate()
-            peer_server.wait(timeout=30)
+            stop_group(peer_server)
     fields = " ".join(
         f"{k}={v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{k}={int(v)}"
         for k, v in result.items()

@@ -75,6 +75,11 @@ class EngineError(RuntimeError):
     """The engine process failed or answered with an error."""
 
 
+class EngineExited(EngineError):
+    """The engine process exited (its answer pipe closed): the message has its exit code
+    and the end of its log. Raised as soon as it happens, not after a timeout."""
+
+
 class EngineProc:
     """Parent side: start the engine, send commands, read answers, stop it."""
 
@@ -110,16 +115,32 @@ class EngineProc:
         """Wait until a launched child's engine is built (raises EngineError)."""
         try:
             self._read(_START_TIMEOUT_S)
+        except EngineExited:
+            raise  # its code and log are in the message already
         except EngineError as err:
-            raise EngineError(f"{err}\n--- engine log ---\n{self.log_tail()}") from None
+            raise EngineError(
+                f"{err}{self._exit_note()}\n--- engine log ---\n{self.log_tail()}"
+            ) from None
         return self
+
+    def _exit_note(self) -> str:
+        """ ", exit code N" once a child that reported a start-up failure has exited (it
+        re-raises right after answering); nothing if it still runs after a bound."""
+        assert self.proc is not None
+        # The child only unwinds its interpreter: seconds; the bound guards against a hang.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=60)
+        code = self.proc.returncode
+        return "" if code is None else f" (the engine process exited with code {code})"
 
     def _read(self, timeout_s: float) -> Any:
         assert self.proc is not None
         line = self._answers.readline()
         if not line:
             self.proc.wait(timeout=timeout_s)
-            raise EngineError(f"engine exited ({self.proc.returncode}):\n{self.log_tail()}")
+            raise EngineExited(
+                f"the engine process exited with code {self.proc.returncode}:\n{self.log_tail()}"
+            )
         answer = json.loads(line)
         if "error" in answer:
             raise EngineError(answer["error"])

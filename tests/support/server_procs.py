@@ -17,7 +17,6 @@ Plain helpers (for benchmarks, demos and other fixtures): :class:`CacheServerPro
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import sys
@@ -28,10 +27,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nopecache.proto import cache_pb2, cache_pb2_grpc
 from nopecache.proto.contract import SERVICE_NAME
+from tests.support.ready import ProcessExited, ProcessNotReady, wait_serving
 from tests.support.redis_procs import free_ports
 
 __all__ = ["CacheServerProc", "ServerFactory", "start_cache_servers", "wait_stored"]
@@ -86,27 +85,18 @@ class CacheServerProc:
             self.proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log
             )
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"cache server on port {self.port} exited with "
-                        f"{self.proc.returncode}:\n{self.log_tail()}"
-                    )
-                with contextlib.suppress(grpc.RpcError):
-                    reply = stub.Check(request, timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(
-                        f"cache server on port {self.port} not SERVING after {timeout_s}s:\n"
-                        f"{self.log_tail()}"
-                    )
-                time.sleep(0.05)
+        try:
+            wait_serving(
+                self.proc,
+                self.address,
+                self.log_path,
+                timeout_s=timeout_s,
+                service=SERVICE_NAME,
+                what="cache server",
+            )
+        except ProcessNotReady:
+            self.kill()
+            raise
 
     def running(self) -> bool:
         """Whether the process is alive."""
@@ -174,8 +164,10 @@ def start_cache_servers(
                 )
                 try:
                     server.start()
-                except RuntimeError:
-                    if attempt == 2:
+                except ProcessExited as exited:
+                    # Only a port taken meanwhile is worth another try; any other exit
+                    # (a configuration the server refuses) is reported at once.
+                    if attempt == 2 or "cannot listen on" not in exited.tail:
                         raise
                     continue
                 started.append(server)
