@@ -37,8 +37,9 @@ def sample(h: Harness, name: str, labels: dict[str, str]) -> float:
     return h.running.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 15.0) -> None:
-    """Poll ``check`` until it is true; fail after ``timeout_s``."""
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 60.0) -> None:
+    """Poll ``check`` until it is true; fail after ``timeout_s`` (a hang guard: every use
+    waits for an event that takes well under a second on an idle machine)."""
     deadline = time.monotonic() + timeout_s
     while not await check():
         if time.monotonic() > deadline:

@@ -118,6 +118,7 @@ def _interrupted_run(marker: str, sig: int, group: bool) -> None:
     )
     # interrupt_after fails the test unless the demo is gone within STOP_BOUND_S.
     stop = interrupt_after(proc, marker, sig=sig, group=group)
+    print(f"stopped {stop.stop_s:.1f} s after signal {sig}")
     assert proc.returncode == 130, stop.stdout + stop.stderr
     assert "demo interrupted; server and engines stopped" in stop.stderr
     assert stop.stop_s < STOP_BOUND_S
