@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.support.proc_groups import STOP_GRACE_S
+from tests.support.proc_groups import STOP_GRACE_S, stopping
 
 SERVER_TIER = "cpu://?capacity=512MiB&pinned=no"
 # Only a hang guard: the demo waits for the server's "listening on" line (polled), which
@@ -47,14 +47,15 @@ def embedded_server(workdir: Path, tier: str = SERVER_TIER) -> Iterator[tuple[st
         port = _wait_listening(proc, log_path)
         yield f"127.0.0.1:{port}", proc.pid
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        print(f"server stopped (pid {proc.pid}, exit status {proc.returncode})", flush=True)
+        with stopping():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            print(f"server stopped (pid {proc.pid}, exit status {proc.returncode})", flush=True)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], log_path: Path) -> int:

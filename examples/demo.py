@@ -21,7 +21,8 @@ alone stops everything in any phase (server start-up, model load, prefill, stori
 generation) within ``2 * STOP_GRACE_S`` (20 s) plus the processes' own exit:
 
     the demo         the first signal raises KeyboardInterrupt; later ones are ignored,
-                     so nothing interrupts the stop itself
+                     and one that comes during a stop is handled after it, so nothing
+                     cuts a stop halfway
     engine process   leads its own process group and ignores SIGINT; the demo SIGTERMs
                      the group, the engine unwinds between two torch ops, and what is
                      still alive after STOP_GRACE_S is SIGKILLed
@@ -33,20 +34,17 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import FrameType
-from typing import NoReturn
 
 from _demo_engine import EngineJob, EngineReport, engine_main
 from _demo_scenario import print_answers, wrap_answer
 from _demo_server import DemoError, embedded_server
 
-from tests.support.proc_groups import Group, stop_groups
+from tests.support.proc_groups import Group, interrupt_on_signals, stop_groups, stopping
 
 # Only a hang guard: an engine's whole job takes ~10 s on an idle machine, minutes on a
 # loaded one; the demo waits on the engine's report or its exit, never on this.
@@ -74,10 +72,11 @@ def run_engine(job: EngineJob) -> EngineReport:
         report = _receive(receive, proc.sentinel)
         proc.join(timeout=_ENGINE_EXIT_S)
     finally:
-        send.close()
-        if proc.pid is not None:
-            stop_groups([Group(proc.pid, lambda t: _join(proc, t))])
-        receive.close()
+        with stopping():
+            send.close()
+            if proc.pid is not None:
+                stop_groups([Group(proc.pid, lambda t: _join(proc, t))])
+            receive.close()
     if report is None or proc.exitcode != 0:
         raise DemoError(
             f"engine {job.role} (pid {proc.pid}) failed with exit code {proc.exitcode}; "
@@ -163,21 +162,9 @@ def print_summary(first: EngineReport, second: EngineReport) -> bool:
     return print_answers(second.answer, second.nocache_answer)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> NoReturn:
-    """SIGINT or SIGTERM ends the demo through the cleanup, not around it.
-
-    Only the first one counts: a second Ctrl-C would interrupt the stop of the engine
-    or the server halfway and leave it running; the stop is bounded anyway.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; the exit status."""
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_signals()  # Ctrl-C and SIGTERM end the demo through the cleanup
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter report, fewer tokens")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="answer length")

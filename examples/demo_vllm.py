@@ -30,7 +30,8 @@ alone stops everything in any phase (server start-up, vLLM start-up, generation,
 within ``2 * STOP_GRACE_S`` (20 s) plus the processes' own exit:
 
     the demo         the first signal raises KeyboardInterrupt; later ones are ignored,
-                     so nothing interrupts the stop itself
+                     and one that comes during a stop is handled after it, so nothing
+                     cuts a stop halfway
     engines          each leads its own process group (vLLM's engine-core process below
                      it included), which the terminal's SIGINT does not reach; the demo
                      SIGTERMs both groups at once and SIGKILLs what is left after
@@ -43,15 +44,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # The engine processes are the ones the vLLM tests and benchmarks drive.
@@ -68,7 +67,7 @@ from _demo_server import DemoError, embedded_server  # noqa: E402
 
 from nopecache.recompute.policies import DEFAULT_BUDGET, DEFAULT_POLICY_NAME  # noqa: E402
 from tests.support.engine_proc import EngineConfig, EngineError, EngineProc, stop_all  # noqa: E402
-from tests.support.proc_groups import stop_groups  # noqa: E402
+from tests.support.proc_groups import interrupt_on_signals, stop_groups, stopping  # noqa: E402
 from tests.support.server_procs import wait_stored  # noqa: E402
 
 IM_START = 1  # SmolLM2's <|im_start|>: each chat message is a segment
@@ -142,11 +141,12 @@ def engines(
         interrupted = True
         raise
     finally:
-        if interrupted:
-            stop_groups([proc.group() for proc in procs if proc.proc is not None])
-        # Without an interrupt: each engine quits when its stdin closes; 30 s only bounds
-        # a vLLM shutdown on a loaded machine (a few seconds idle).
-        stop_all(procs, timeout_s=30)
+        with stopping():
+            if interrupted:
+                stop_groups([proc.group() for proc in procs if proc.proc is not None])
+            # Without an interrupt: each engine quits when its stdin closes; 30 s only
+            # bounds a vLLM shutdown on a loaded machine (a few seconds idle).
+            stop_all(procs, timeout_s=30)
 
 
 def _say(engine: int, line: str) -> None:
@@ -236,17 +236,6 @@ def summary(
     }
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> NoReturn:
-    """SIGINT or SIGTERM ends the demo through the cleanup, not around it.
-
-    Only the first one counts: a second Ctrl-C would interrupt the stop of the engines
-    or the server halfway and leave them running; the stop is bounded anyway.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The demo's options (bad values exit with status 2 and a message)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -271,8 +260,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; the exit status."""
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_signals()  # Ctrl-C and SIGTERM end the demo through the cleanup
     args = parse_args(argv)
     try:
         from transformers import AutoTokenizer

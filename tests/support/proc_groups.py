@@ -13,6 +13,11 @@ reaches all of them, where signalling the child alone would orphan them::
 
 So a stop takes at most ``grace_s`` plus the kernel's SIGKILL, whatever the children were
 doing. Imports nothing heavy: the demos' parent processes use it in either environment.
+
+A demo's own Ctrl-C (:func:`interrupt_on_signals`): the first SIGINT or SIGTERM raises
+KeyboardInterrupt and later ones are ignored, so no second Ctrl-C cuts a stop halfway and
+leaves a child running. Inside :func:`stopping` even the first is held back until the
+stop is done: a signal that comes while the demo shuts down normally ends it all the same.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import FrameType
 
-__all__ = ["STOP_GRACE_S", "Group", "stop_groups"]
+__all__ = ["STOP_GRACE_S", "Group", "interrupt_on_signals", "stop_groups", "stopping"]
 
 STOP_GRACE_S = 10.0
 """How long children get to unwind after SIGTERM before SIGKILL. A model's forward
@@ -85,3 +91,43 @@ def stop_groups(groups: Sequence[Group], grace_s: float = STOP_GRACE_S) -> None:
     for group in groups:
         with contextlib.suppress(ChildProcessError):
             group.reap(None)  # after SIGKILL: no wait beyond the kernel's
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stopping = 0  # how many stopping() blocks are open (the main thread's: signals go there)
+_held = False  # a signal came inside one
+
+
+def interrupt_on_signals() -> None:
+    """SIGINT (a terminal's Ctrl-C) and SIGTERM (a service manager) raise KeyboardInterrupt
+    in the main thread, once; see the module's docstring."""
+    for sig in _SIGNALS:
+        signal.signal(sig, _interrupt)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    global _held
+    if _stopping:
+        _held = True
+        return
+    _raise()
+
+
+def _raise() -> None:
+    for sig in _SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[None]:
+    """Hold an interrupt back while the block stops children; raise it after."""
+    global _stopping, _held
+    _stopping += 1
+    try:
+        yield
+    finally:
+        _stopping -= 1
+        if not _stopping and _held:
+            _held = False
+            _raise()
