@@ -231,11 +231,16 @@ def engine_main(job: EngineJob, results: Connection) -> None:
     """Process entry: load SmolLM2, run the job's role, send an :class:`EngineReport`.
 
     The demo's main process alone handles Ctrl-C (a terminal sends SIGINT to the whole
-    process group) and stops an engine with SIGTERM, which unwinds it like Ctrl-C would:
-    one signal, so the cache client's close is not itself interrupted.
+    process group) and stops an engine by SIGTERM to the engine's own process group,
+    made here first thing, so that anything the engine starts stops with it. SIGTERM
+    unwinds the engine like Ctrl-C would, at the next Python step: between two torch ops
+    of a forward, between two tensors of a model load, in a wait on the server. One
+    signal, so the cache client's close is not itself interrupted; should the unwinding
+    stall, the demo SIGKILLs the group after a grace (``tests/support/proc_groups.py``).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _interrupt)
+    os.setpgid(0, 0)
     try:
         report = _run(job)
     except KeyboardInterrupt:
@@ -245,6 +250,7 @@ def engine_main(job: EngineJob, results: Connection) -> None:
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> NoReturn:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding; a second would cut it
     raise KeyboardInterrupt
 
 

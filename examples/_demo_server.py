@@ -14,7 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.support.proc_groups import STOP_GRACE_S, stopping
+
 SERVER_TIER = "cpu://?capacity=512MiB&pinned=no"
+# Only a hang guard: the demo waits for the server's "listening on" line (polled), which
+# comes in ~1 s on an idle machine; 60 s covers a machine loaded several times over.
 _START_TIMEOUT_S = 60.0
 _LISTENING = re.compile(r"listening on \S+:(\d+) ")
 
@@ -28,7 +32,10 @@ def embedded_server(workdir: Path, tier: str = SERVER_TIER) -> Iterator[tuple[st
     """Run a CPU-tier nopecache server on a free loopback port; yield (address, pid).
 
     The server picks the port (``--port 0``) and logs it; the log goes to a file so a
-    failure can show its end. It is stopped (SIGTERM, then SIGKILL) whatever happens.
+    failure can show its end. It is stopped (SIGTERM, then SIGKILL after STOP_GRACE_S)
+    whatever happens. It stays in the demo's process group: a terminal's Ctrl-C reaches
+    it at once and it shuts down (1 s grace for in-flight calls) while the demo stops
+    its engines.
     """
     log_path = workdir / "server.log"
     cmd = [sys.executable, "-m", "nopecache.cache_server", "--host", "127.0.0.1", "--port", "0"]
@@ -40,14 +47,15 @@ def embedded_server(workdir: Path, tier: str = SERVER_TIER) -> Iterator[tuple[st
         port = _wait_listening(proc, log_path)
         yield f"127.0.0.1:{port}", proc.pid
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        print(f"server stopped (pid {proc.pid}, exit status {proc.returncode})", flush=True)
+        with stopping():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            print(f"server stopped (pid {proc.pid}, exit status {proc.returncode})", flush=True)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], log_path: Path) -> int:

@@ -15,52 +15,80 @@ The engines share nothing but the server. The server and the engines are stopped
 end, on an error and on Ctrl-C. The exit status is 0 when both engines answered and engine
 2 reused cached tokens, 1 otherwise (130 on Ctrl-C). The last line is machine-readable:
 ``DEMO key=value ...``.
+
+Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM to the demo
+alone stops everything in any phase (server start-up, model load, prefill, storing,
+generation) within ``2 * STOP_GRACE_S`` (20 s) plus the processes' own exit:
+
+    the demo         the first signal raises KeyboardInterrupt; later ones are ignored,
+                     and one that comes during a stop is handled after it, so nothing
+                     cuts a stop halfway
+    engine process   leads its own process group and ignores SIGINT; the demo SIGTERMs
+                     the group, the engine unwinds between two torch ops, and what is
+                     still alive after STOP_GRACE_S is SIGKILLed
+    server           SIGTERM (it already has the terminal's SIGINT), SIGKILL after
+                     STOP_GRACE_S
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import FrameType
-from typing import NoReturn
 
 from _demo_engine import EngineJob, EngineReport, engine_main
 from _demo_scenario import print_answers, wrap_answer
 from _demo_server import DemoError, embedded_server
 
+from tests.support.proc_groups import Group, interrupt_on_signals, stop_groups, stopping
+
+# Only a hang guard: an engine's whole job takes ~10 s on an idle machine, minutes on a
+# loaded one; the demo waits on the engine's report or its exit, never on this.
 _ENGINE_TIMEOUT_S = 900.0
+# An engine that sent its report exits at once; on a loaded machine its interpreter's
+# teardown (torch's included) may take seconds, so it gets a generous bound.
+_ENGINE_EXIT_S = 60.0
 
 
 def run_engine(job: EngineJob) -> EngineReport:
-    """Run one engine in a fresh (spawned) process and return its report."""
+    """Run one engine in a fresh (spawned) process and return its report.
+
+    However this ends (report, crash, KeyboardInterrupt), the engine's process group is
+    stopped before it returns (:func:`~tests.support.proc_groups.stop_groups`).
+    """
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=engine_main, args=(job, send), name=f"engine-{job.role}")
-    proc.start()
-    send.close()  # only the child writes; EOF then means the child is gone
+    # daemon: should the demo exit without stopping it, multiprocessing SIGTERMs it
+    # rather than waiting for its whole job.
+    proc = ctx.Process(target=engine_main, args=(job, send), name=f"engine-{job.role}", daemon=True)
+    report = None
     try:
+        proc.start()
+        send.close()  # only the child writes; EOF then means the child is gone
         report = _receive(receive, proc.sentinel)
-        proc.join(timeout=30)
+        proc.join(timeout=_ENGINE_EXIT_S)
     finally:
-        if proc.is_alive():
-            proc.terminate()  # the engine unwinds on SIGTERM (see engine_main)
-            proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        receive.close()
+        with stopping():
+            send.close()
+            if proc.pid is not None:
+                stop_groups([Group(proc.pid, lambda t: _join(proc, t))])
+            receive.close()
     if report is None or proc.exitcode != 0:
         raise DemoError(
             f"engine {job.role} (pid {proc.pid}) failed with exit code {proc.exitcode}; "
             "its error is printed above"
         )
     return report
+
+
+def _join(proc: multiprocessing.process.BaseProcess, timeout_s: float | None) -> bool:
+    """Wait up to ``timeout_s`` for ``proc``; whether it has exited (and was reaped)."""
+    proc.join(timeout_s)
+    return proc.exitcode is not None
 
 
 def _receive(conn: Connection, sentinel: int) -> EngineReport | None:
@@ -134,14 +162,9 @@ def print_summary(first: EngineReport, second: EngineReport) -> bool:
     return print_answers(second.answer, second.nocache_answer)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> NoReturn:
-    """SIGTERM ends the demo like Ctrl-C: through the cleanup, not around it."""
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; the exit status."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_signals()  # Ctrl-C and SIGTERM end the demo through the cleanup
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter report, fewer tokens")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="answer length")

@@ -24,21 +24,33 @@ and share nothing but the server. Server and engines are stopped at the end, on 
 and on Ctrl-C. Exit status 0 when both engines answered and engine 2 reused cached
 tokens, 1 otherwise (130 on Ctrl-C). The last line is machine-readable:
 ``DEMO key=value ...``.
+
+Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM to the demo
+alone stops everything in any phase (server start-up, vLLM start-up, generation, storing)
+within ``2 * STOP_GRACE_S`` (20 s) plus the processes' own exit:
+
+    the demo         the first signal raises KeyboardInterrupt; later ones are ignored,
+                     and one that comes during a stop is handled after it, so nothing
+                     cuts a stop halfway
+    engines          each leads its own process group (vLLM's engine-core process below
+                     it included), which the terminal's SIGINT does not reach; the demo
+                     SIGTERMs both groups at once and SIGKILLs what is left after
+                     STOP_GRACE_S (tests/support/proc_groups.py)
+    server           SIGTERM (it already has the terminal's SIGINT), SIGKILL after
+                     STOP_GRACE_S
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # The engine processes are the ones the vLLM tests and benchmarks drive.
@@ -55,6 +67,7 @@ from _demo_server import DemoError, embedded_server  # noqa: E402
 
 from nopecache.recompute.policies import DEFAULT_BUDGET, DEFAULT_POLICY_NAME  # noqa: E402
 from tests.support.engine_proc import EngineConfig, EngineError, EngineProc, stop_all  # noqa: E402
+from tests.support.proc_groups import interrupt_on_signals, stop_groups, stopping  # noqa: E402
 from tests.support.server_procs import wait_stored  # noqa: E402
 
 IM_START = 1  # SmolLM2's <|im_start|>: each chat message is a segment
@@ -100,8 +113,9 @@ def engines(
 ) -> Iterator[tuple[EngineProc, EngineProc]]:
     """Engine 1 (prefix mode, stores) and engine 2 (blend, reads only), built side by side.
 
-    Both are stopped on the way out; on an interrupt each gets SIGTERM first, so an
-    engine still loading its model does not finish loading before it quits.
+    Both are stopped on the way out; on an interrupt both process groups get SIGTERM at
+    once (SIGKILL after a grace), so an engine still loading its model or generating
+    does not finish that before it quits.
     """
     url = f"nopecache://{address}"
     seg = {"url": url, "segment_token_ids": [IM_START]}
@@ -127,11 +141,12 @@ def engines(
         interrupted = True
         raise
     finally:
-        if interrupted:
-            for proc in procs:
-                if proc.proc is not None and proc.proc.poll() is None:
-                    proc.proc.terminate()
-        stop_all(procs, timeout_s=10 if interrupted else 30)
+        with stopping():
+            if interrupted:
+                stop_groups([proc.group() for proc in procs if proc.proc is not None])
+            # Without an interrupt: each engine quits when its stdin closes; 30 s only
+            # bounds a vLLM shutdown on a loaded machine (a few seconds idle).
+            stop_all(procs, timeout_s=30)
 
 
 def _say(engine: int, line: str) -> None:
@@ -221,11 +236,6 @@ def summary(
     }
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> NoReturn:
-    """SIGTERM ends the demo like Ctrl-C: through the cleanup, not around it."""
-    raise KeyboardInterrupt
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The demo's options (bad values exit with status 2 and a message)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -250,7 +260,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; the exit status."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_signals()  # Ctrl-C and SIGTERM end the demo through the cleanup
     args = parse_args(argv)
     try:
         from transformers import AutoTokenizer

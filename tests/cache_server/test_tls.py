@@ -193,7 +193,7 @@ def tls_redis(pki: Pki, tmp_path: Path) -> Iterator[TlsRedis]:
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     server = TlsRedis(port, proc)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # a hang guard: redis-server answers in milliseconds
     try:
         while True:
             if proc.poll() is not None:

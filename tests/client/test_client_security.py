@@ -63,7 +63,7 @@ class SecureServerProc(CacheServerProc):
         super().__init__(workdir, port, extra_args=extra_args)
         self.credentials = credentials
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 60.0) -> None:  # a hang guard, as CacheServerProc's
         """Start the server and wait until its health service says SERVING."""
         if self.credentials is None:
             super().start(timeout_s)
@@ -276,7 +276,8 @@ def _stats_code(address: str, token: str) -> grpc.StatusCode:
 
 
 def _wait_for(address: str, token: str, code: grpc.StatusCode) -> None:
-    deadline = time.monotonic() + 10
+    # Returns as soon as Stats answers ``code``; 60 s only bounds a hang on a loaded machine.
+    deadline = time.monotonic() + 60
     while _stats_code(address, token) != code:
         assert time.monotonic() < deadline, f"Stats never answered {code.name}"
         time.sleep(0.05)

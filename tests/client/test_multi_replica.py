@@ -170,8 +170,9 @@ class Engine:
         self.commands.put((command, doc))
         return self.reply()
 
-    def wait_servers(self, servers: Sequence[str], timeout_s: float = 20.0) -> None:
-        """Wait until the engine's client shards over ``servers``."""
+    def wait_servers(self, servers: Sequence[str], timeout_s: float = 60.0) -> None:
+        """Wait until the engine's client shards over ``servers`` (asked every 50 ms; the
+        timeout is only a hang guard for a loaded machine: DNS refreshes every 100 ms)."""
         want = tuple(sorted(servers))
         deadline = time.monotonic() + timeout_s
         while (now := self.ask("servers")[0]) != want:

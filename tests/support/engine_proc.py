@@ -15,6 +15,11 @@ CPU settings every engine shares (so every run does the same arithmetic): one Op
 thread bound to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``: any KV connector reserves a core
 and would change the thread count, which changes bf16 results), 1 GiB of KV cache,
 offline, eager mode.
+
+Each engine leads a process group of its own, which vLLM's engine-core process joins:
+:meth:`EngineProc.stop` (and a demo's Ctrl-C, through :meth:`EngineProc.group`) stops the
+whole group within a bound, and a terminal's Ctrl-C reaches only the parent, which
+decides how its engines stop.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.support.proc_groups import Group, stop_groups
 
 ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0",
@@ -105,6 +112,7 @@ class EngineProc:
             stderr=subprocess.STDOUT,
             env=env,
             pass_fds=(write_fd,),
+            process_group=0,  # see the module's docstring
         )
         os.close(write_fd)
         log.close()
@@ -208,17 +216,29 @@ class EngineProc:
         """The child's pid (None before launch and after stop)."""
         return None if self.proc is None else self.proc.pid
 
+    def group(self) -> Group:
+        """The engine's process group, for :func:`~tests.support.proc_groups.stop_groups`."""
+        proc = self.proc
+        assert proc is not None
+
+        def reap(timeout_s: float | None) -> bool:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout_s)
+            return proc.returncode is not None
+
+        return Group(proc.pid, reap)
+
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Ask the engine to quit (its stdin closes); kill it if it does not in time."""
+        """Ask the engine to quit (its stdin closes); then stop its process group: SIGTERM,
+        SIGKILL after a grace (see :mod:`tests.support.proc_groups`). The group stop also
+        ends what vLLM left below an engine that quit."""
         if self.proc is None:
             return
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             if self.proc.poll() is None and self.proc.stdin is not None:
                 self.proc.stdin.close()
             self.proc.wait(timeout=timeout_s)
-        except (subprocess.TimeoutExpired, OSError):
-            self.proc.kill()
-            self.proc.wait()
+        stop_groups([self.group()])
         if self._answers is not None:
             self._answers.close()
         self.proc = None

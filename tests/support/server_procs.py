@@ -36,7 +36,10 @@ from tests.support.redis_procs import free_ports
 __all__ = ["CacheServerProc", "ServerFactory", "start_cache_servers", "wait_stored"]
 
 DEFAULT_TIER = "cpu://?capacity=64MiB&pinned=no"
-_START_TIMEOUT_S = 30.0
+# Only a hang guard: a server is SERVING ~1 s after its start on an idle machine, and the
+# wait returns then; 60 s covers a 2-core machine loaded several times over, where a
+# timeout here would also cost start_cache_servers a retry on another port.
+_START_TIMEOUT_S = 60.0
 
 
 class CacheServerProc:
@@ -179,11 +182,12 @@ def start_cache_servers(
     return started
 
 
-def wait_stored(address: str, at_least: int = 1, timeout_s: float = 60.0) -> int:
+def wait_stored(address: str, at_least: int = 1, timeout_s: float = 120.0) -> int:
     """Wait until a server holds ``at_least`` entries and their count stopped growing.
 
     Engines store in the background: this is how a caller knows a store has landed. The
-    count must hold still for a second; returns it (RuntimeError after ``timeout_s``).
+    count must hold still for a second; returns it (RuntimeError after ``timeout_s``, a
+    hang guard: a store lands in well under a second on an idle machine).
     """
     with grpc.insecure_channel(address) as channel:
         stub = cache_pb2_grpc.KVCacheStub(channel)

@@ -27,12 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from nopecache.proto import cache_pb2, cache_pb2_grpc
 from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
 from tests.support.engine_proc import EngineFactory
 from tests.support.redis_procs import free_ports
-from tests.support.server_procs import CacheServerProc
+from tests.support.server_procs import CacheServerProc, wait_stored
 
 pytestmark = pytest.mark.slow
 
@@ -109,12 +111,23 @@ def _system_span(prompt: list[int]) -> tuple[int, int]:
     return starts[2], starts[3]
 
 
-def _wait_stored(engine: Any, tokens: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
+def _entries(server: CacheServerProc) -> int:
+    """How many entries the server holds."""
+    with grpc.insecure_channel(server.address) as channel:
+        reply = cache_pb2_grpc.KVCacheStub(channel).Stats(cache_pb2.StatsRequest(), timeout=30)
+    return sum(t.entries for t in reply.tiers)
+
+
+def _wait_stored(engine: Any, server: CacheServerProc, tokens: int, entries: int) -> None:
+    """Wait until ``engine`` handed ``tokens`` prompt tokens to its store queue and the
+    server holds at least ``entries`` entries, their count settled (the client's queue
+    sends in the background). Events, not durations: 120 s only bounds a hang on a
+    loaded machine (a store lands in well under a second on an idle one)."""
+    deadline = time.monotonic() + 120
     while _metrics(engine).get("saved_tokens", 0.0) < tokens:
-        assert time.monotonic() < deadline, "the store did not land"
+        assert time.monotonic() < deadline, "the store was never queued"
         time.sleep(0.2)
-    time.sleep(1.0)  # the client's queue hands the store to the server in the background
+    wait_stored(server.address, at_least=entries)
 
 
 def _run(engine: Any, prompt: list[int]) -> dict[str, Any]:
@@ -145,10 +158,12 @@ def test_chat_with_system_prompt_first_is_stored(
     )
     system_end = [i for i, t in enumerate(chat) if t == IM_START][1]
     assert len(chat) // BLOCK * BLOCK >= system_end  # whole blocks hold the system prompt
+    entries = _entries(server)
     out = a.generate(chat, max_tokens=4)
     assert out["cached"] == 0
-    _wait_stored(a, len(chat) // BLOCK * BLOCK)
-    state.update(a=a, chat=chat)
+    # Each whole block is one exact entry at least (chunks come on top).
+    _wait_stored(a, server, len(chat) // BLOCK * BLOCK, entries + len(chat) // BLOCK)
+    state.update(a=a, chat=chat, server=server)
 
 
 def test_all_recompute_blend_equals_vllms_own_logits(state: dict[str, Any]) -> None:
@@ -229,8 +244,9 @@ def test_blend_after_an_exact_prefix_local_or_loaded(state: dict[str, Any]) -> N
     exact = min(sys_start, len(report_only)) // BLOCK * BLOCK
     assert prompt[:exact] == report_only[:exact] and exact >= 4 * BLOCK
     saved = _metrics(a).get("saved_tokens", 0.0)
+    entries = _entries(state["server"])
     a.generate(report_only, max_tokens=2)
-    _wait_stored(a, saved + exact)
+    _wait_stored(a, state["server"], int(saved) + exact, entries + exact // BLOCK)
     claim = sys_end - sys_end % BLOCK
 
     # ALL loads the exact blocks, blends the rest: still vLLM's own logprobs.
