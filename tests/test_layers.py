@@ -41,9 +41,6 @@ EXCEPTIONS: tuple[tuple[str, str], ...] = (
     # Configs written before integrations/ existed name the connector by its old path;
     # this module re-exports it from the new one (see its docstring).
     ("nopecache/client/adapters/vllm.py", "nopecache.integrations.vllm"),
-    # Until compat.py (being written beside this test) takes it over, blend mode asks vLLM
-    # for its platform inside blend_unsupported(); delete this entry once compat.py has it.
-    ("nopecache/integrations/vllm/blend.py", "vllm.platforms"),
 )
 
 
