@@ -81,15 +81,20 @@ demo: vllm
 demo-hf: venv
 	$(BIN)/python examples/demo.py
 
+# Every bench runs even when one before it fails (a finding, such as the fuzzer's, must not
+# hide the benches after it); the target fails at the end, naming each bench that did.
 bench: venv redis-server
-	@set -e; for b in bench/[!_]*.py; do \
-	  case $$b in bench/vllm_*) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
-	$(MAKE) bench-vllm
+	@failed=""; for b in bench/[!_]*.py; do \
+	  case $$b in bench/vllm_*) continue;; esac; echo "== $$b"; \
+	  $(BIN)/python $$b || failed="$$failed $$b"; done; \
+	$(MAKE) --no-print-directory bench-vllm || failed="$$failed bench-vllm"; \
+	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
 
 # Benchmarks that drive a real vLLM run in its environment.
 bench-vllm: vllm
-	@set -e; for b in bench/vllm_*.py; do \
-	  echo "== $$b"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b; done
+	@failed=""; for b in bench/vllm_*.py; do \
+	  echo "== $$b"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b || failed="$$failed $$b"; done; \
+	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
 
 # Every bench in its --quick mode (tiny sizes, one pass, the same RESULT keys), in the
 # order of `make bench`: a smoke run of seconds each (the vLLM ones start their engines).
