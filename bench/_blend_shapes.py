@@ -1,4 +1,4 @@
-"""The four reuse shapes of bench/blend.py: what one engine stored, what another asks.
+"""The four reuse shapes of bench/vllm_blend.py: what one engine stored, what another asks.
 
 Every shape is chat messages (each message its own segment, so a message keeps its
 content keys wherever it lands). ``stored`` is the prompt an engine answered earlier (its

@@ -21,7 +21,7 @@ chat            whole chat messages (``<|im_start|>role ... <|im_end|>``), cache
 
 Within each kind prompts alternate between the halves (``tune``, ``report``; the first
 prompt of every other kind goes to ``report``), so each half has every kind. Policy
-choices are made on the ``tune`` half only; the README reports the ``report`` half.
+choices are made on the ``tune`` half only; docs/results/quality.md reports the ``report`` half.
 ``expected`` is a string the answer must contain to carry the fact (case-insensitive).
 """
 

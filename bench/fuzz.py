@@ -1,6 +1,6 @@
 """Wire fuzzer, time-bounded: random and mutated requests against a real server process.
 
-The long-running twin of ``tests/test_fuzz.py`` (hypothesis, a few hundred inputs). Here a
+The long-running twin of ``tests/cache_server/test_fuzz.py`` (hypothesis, a few hundred inputs). Here a
 seeded ``random.Random`` drives, for ``--seconds``:
 
 * mutated valid messages (Lookup/Get/Delete/Stats requests, Put streams of real blocks)

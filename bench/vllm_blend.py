@@ -1,6 +1,6 @@
 """Reuse at any position inside vLLM: blend mode against no cache and against prefix mode.
 
-Run in the vLLM environment: ``.venv-vllm/bin/python bench/blend.py`` (``make bench``
+Run in the vLLM environment: ``.venv-vllm/bin/python bench/vllm_blend.py`` (``make bench``
 does). One nopecache server (the embedded default, CPU tier) on loopback and four vLLM
 processes (CPU build, SmolLM2-135M, bf16, one OpenMP thread each, vLLM's own prefix cache
 off, so every hit comes through the connector):
@@ -256,7 +256,7 @@ def _ms(seconds: Sequence[float] | float) -> str:
 
 
 def print_table(results: list[ShapeResult], mode: str) -> None:
-    """The per-shape table (markdown, as the README shows it)."""
+    """The per-shape table (markdown, as docs/results/vllm_blend.md shows it)."""
     print()
     print(
         f"| shape | prompt | {mode} reused | recompute | TTFT no cache | TTFT {mode} | speed-up "

@@ -147,7 +147,7 @@ class ServerConfig:
     log_level: str = field(
         default="INFO", metadata=_opt(_STR, f"log level, one of {', '.join(_LOG_LEVELS)}")
     )
-    # -- security (see README "Security"): all off in the embedded default ----------------
+    # -- security (see docs/security.md): all off in the embedded default ----------------
     tls_cert_file: str = field(
         default="",
         metadata=_opt(
@@ -204,7 +204,7 @@ class ServerConfig:
         ),
     )
 
-    # -- bounded memory (see README "Hardening") -------------------------------------------
+    # -- bounded memory (see docs/security.md, hardening) -------------------------------------------
     max_inflight_bytes: int = field(
         default=512 * 1024**2,
         metadata=_opt(

@@ -17,7 +17,7 @@ K math so that both loads are in flight together. Angles are computed in the ker
 the integer positions (``to - from`` in int64, then fp32 times ``inv_freq``), reduced by
 pi/2 in fp64 and evaluated by fp32 polynomials (``_sincos``), so no cos/sin table is read
 from memory. Each element of K and V is read once and written once. Offsets are int64 (a
-paged cache easily exceeds 2**31 elements). ``tests/test_kernels_sass.py`` pins what the
+paged cache easily exceeds 2**31 elements). ``tests/kernels/test_kernels_sass.py`` pins what the
 compiled kernels look like on sm_90.
 
 ``rerope_scatter_layers_triton`` is one launch for all layers: the per-layer caches are

@@ -297,7 +297,7 @@ def test_rotate_at_positions_near_the_limit(layout: Layout) -> None:
 
 
 # The compiled kernels' machine code (sm_90, no GPU needed) is checked in
-# tests/test_kernels_sass.py.
+# tests/kernels/test_kernels_sass.py.
 
 
 # --------------------------------------------------------------------------- GPU
