@@ -15,7 +15,6 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.main import start_server
 from nopecache.cache_server.metrics import ServerMetrics
@@ -34,16 +33,9 @@ from nopecache.cache_server.verify import BlockVerifier
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import StoredForm, build_block
+from tests.support.server_harness import SMALL
 
-CONFIG = ServerConfig(
-    port=0,
-    metrics=False,
-    tiers=("cpu://?capacity=4MiB&page=4KiB&pinned=no",),
-    max_message_bytes=64 * 1024,
-    max_block_bytes=1024 * 1024,
-    max_request_bytes=2 * 1024 * 1024,
-    max_keys_per_request=64,
-)
+CONFIG = SMALL  # the in-process harness's small limits: the same rules, no transport
 MIB = 1024 * 1024
 
 
