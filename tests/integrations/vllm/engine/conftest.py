@@ -9,7 +9,6 @@ converts SmolLM2 once).
 
 from __future__ import annotations
 
-import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,15 +17,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (make test does)")
 
+from tests.support import suite_lock
 from tests.support.engine_proc import EngineConfig, EngineFactory, EngineProc
 
-
-@pytest.fixture(scope="session", autouse=True)
-def one_vllm_suite_at_a_time() -> Iterator[None]:
-    """Hold a machine-wide lock: each engine takes ~2 GiB, so suites run one at a time."""
-    with open("/tmp/nopecache-vllm-tests.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+# A machine-wide lock: each engine takes ~2 GiB, so suites run one at a time. Taken by
+# hooks, before the first test, so the wait never counts against a test's timeout.
+pytest_collection_finish = suite_lock.hold
+pytest_sessionfinish = suite_lock.release
 
 
 @pytest.fixture(scope="session")
