@@ -250,8 +250,8 @@ class BulkServer:
             async with contextlib.aclosing(entries):
                 async for code, size in entries:
                     await self._send(loop, conn, lease, ENTRY.pack(code, size))
-                    if size:
-                        await self._send(loop, conn, lease, memoryview(buffer.data)[:size])
+                    for part in buffer.parts:
+                        await self._send(loop, conn, lease, part)
 
     @staticmethod
     async def _recv(

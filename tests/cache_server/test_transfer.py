@@ -277,7 +277,7 @@ async def test_both_reads_yield_each_hit_and_miss_in_request_order(rules: Rules)
     buffer = SendBuffer()
     with rules.lease() as lease:
         into = [
-            (code, bytes(buffer.data[:size]))
+            (code, b"".join(buffer.parts))
             async for code, size in rules.gets.into(ANONYMOUS, keys, lease, buffer)
         ]
     assert into == [(0, b""), (1, block(key_of(1))), (0, b""), (1, block(key_of(3)))]
