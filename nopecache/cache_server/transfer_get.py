@@ -124,6 +124,37 @@ class GetRules:
                 window = max(1, min(self._most, GET_WINDOW_BYTES * hits // sent))
         self._count(tenant, sent)
 
+    async def lent(
+        self, tenant: Tenant, keys: Sequence[bytes], lease: Lease
+    ) -> AsyncGenerator[tuple[int, int, list[memoryview] | bytes | None], None]:
+        """``windows`` one key at a time, a block of the host-memory tier lent rather
+        than read: (index, tier code, the views of its pages) valid until the next entry
+        is asked for (``TieredStore.lease``; the shared-memory Get copies them straight
+        into the client's segment). Raises Refusal."""
+        sent = 0
+        for index, key in enumerate(keys):
+            lent = self._store.lease(key)
+            if lent is None:
+                found = (await self._store.get_many([key]))[0]
+                if found is None:
+                    yield index, 0, None
+                    continue
+                blob, tier = found
+                await lease.reserve(len(blob), "GetFrame")
+                sent += len(blob)
+                yield index, self._codes[tier], blob
+                lease.release()
+                continue
+            tier_lease, tier = lent
+            try:
+                await lease.reserve(tier_lease.size, "GetFrame")
+                sent += tier_lease.size
+                yield index, self._codes[tier], tier_lease.views
+            finally:
+                tier_lease.release()
+                lease.release()
+        self._count(tenant, sent)
+
     async def into(
         self, tenant: Tenant, keys: Sequence[bytes], lease: Lease, buffer: SendBuffer
     ) -> AsyncGenerator[tuple[int, int], None]:
