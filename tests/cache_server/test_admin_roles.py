@@ -14,15 +14,15 @@ from nopecache.cache_server.main import start_server
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from tests.support.server_harness import SMALL, STORED, get, key_of, make_block, put, serving
-from tests.support.tenants import ALICE, AUTH, BOB, rpc_code, tenant_serving
+from tests.support.tenants import ALICE, AUTH, BOB, TenantHarness, rpc_code, tenant_serving
 
 ADMIN = "admin-token-5e1d9b7c3a2f4680"
 ADMIN_AUTH = replace(AUTH, admin_tokens=ADMIN)
 
 
-def admin_stub(h: object, token: str | None) -> cache_pb2_grpc.AdminStub:
+def admin_stub(h: TenantHarness, token: str | None) -> cache_pb2_grpc.AdminAsyncStub:
     """An Admin stub on the harness channel that carries ``token``."""
-    return cache_pb2_grpc.AdminStub(h.channel(token))  # type: ignore[attr-defined]
+    return cache_pb2_grpc.AdminStub(h.channel(token))
 
 
 def packed(*indices: int) -> bytes:
@@ -134,7 +134,7 @@ async def test_stats_count_hits_misses_and_pages_per_tenant() -> None:
 @pytest.mark.asyncio
 async def test_without_tokens_every_caller_is_the_admin_and_drain_refuses_puts() -> None:
     async with serving(SMALL) as h:
-        admin = cache_pb2_grpc.AdminStub(h.channel)
+        admin: cache_pb2_grpc.AdminAsyncStub = cache_pb2_grpc.AdminStub(h.channel)
         health = health_pb2_grpc.HealthStub(h.channel)
         await put(h.stub, [(key_of(1), make_block(key_of(1)))], h.frame_bytes)
         reply = await admin.Drain(pb.DrainRequest(wait=True, timeout_ms=30_000))
