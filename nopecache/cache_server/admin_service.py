@@ -248,17 +248,13 @@ class AdminService:
             await self._fail(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "PinRequest: a hard pin takes no ttl_ms"
             )
-        where = await self._store.lookup(keys)
-        present = [k for k, w in zip(keys, where, strict=True) if w is not None]
-        sizes = dict(self._kv.quotas.charges(tenant))
-        unknown = [k for k in present if k not in sizes]
-        if unknown:
-            # Blocks stored before a restart (read from Redis) or by the anonymous tenant
-            # without a quota: learn their size from the blocks themselves.
-            for key, found in zip(unknown, await self._store.get_many(unknown), strict=True):
-                if found is not None:
-                    sizes[key] = self._kv.quotas.charge_for(len(found[0]))
-        present = [k for k in present if k in sizes]
+        charged = dict(self._kv.quotas.charges(tenant))
+        sizes: dict[bytes, int] = {}
+        # A query: pinning neither refreshes recency nor promotes.
+        for key, size in zip(keys, await self._store.sizes(keys), strict=True):
+            if size is not None:
+                sizes[key] = max(charged.get(key, 0), self._kv.quotas.charge_for(size))
+        present = list(sizes)
         if tenant.quota_bytes:
             already = set(self._pins.of_tenant(tenant.name))
             total = self._pins.pinned_bytes(tenant.name) + sum(

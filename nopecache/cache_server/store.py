@@ -374,6 +374,28 @@ class TieredStore:
             await tier.hold(keys, held)
             self._note_health(level)
 
+    async def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's blob size in the fastest tier holding it (None: nowhere); a query:
+        no recency change, no promotion (a blob below the memory tiers is read to learn it)."""
+        from nopecache.cache_server.tiers.cpu import PagedTier  # the page-pool tiers' base
+
+        out: list[int | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for level, tier in enumerate(self._tiers):
+            if not pending:
+                break
+            if isinstance(tier, PagedTier):
+                found = [tier.placement(keys[i]) for i in pending]
+                sizes = [p.size if p is not None else None for p in found]
+            else:
+                blobs = await tier.get_many([keys[i] for i in pending])
+                self._note_health(level)
+                sizes = [len(b) if b is not None else None for b in blobs]
+            for i, size in zip(pending, sizes, strict=True):
+                out[i] = size
+            pending = [i for i in pending if out[i] is None]
+        return out
+
     async def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
         """Every distinct stored key starting with ``prefix``, in any tier."""
         seen: dict[bytes, None] = {}
