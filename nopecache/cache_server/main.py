@@ -42,7 +42,9 @@ from nopecache.cache_server.config import (
     flag_name,
     load_config,
 )
+from nopecache.cache_server.limits import connection_options
 from nopecache.cache_server.metrics import MetricsEndpoint, ServerMetrics
+from nopecache.cache_server.principals import CallLimiter, transport_rpc_cap
 from nopecache.cache_server.service import (
     SERVICE_NAME,
     ContextResolver,
@@ -85,6 +87,7 @@ class RunningServer:
     health: health_aio.HealthServicer
     metrics_endpoint: MetricsEndpoint | None
     gate: RequestGate
+    calls: CallLimiter | None = None
     tls: bool = False
     _monitor: asyncio.Task[None] | None = field(default=None, repr=False)
     _stopped: bool = False
@@ -191,16 +194,23 @@ async def start_server(
     endpoint: MetricsEndpoint | None = None
     try:
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
+        calls = CallLimiter(
+            SERVICE_NAME,
+            tokens=tokens,
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
+            max_probe_calls_per_peer=config.max_probe_calls_per_peer,
+            metrics=metrics,
+        )
         server = grpc.aio.server(
-            interceptors=[gate, *interceptors],
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            interceptors=[calls, gate, *interceptors],
+            # Past what CallLimiter admits: its refusals name the option and spare the
+            # clients under their share, gRPC's would refuse everyone alike.
+            maximum_concurrent_rpcs=transport_rpc_cap(config.max_concurrent_rpcs),
             options=[
                 *config.grpc_options,
                 # Fail loudly if another process holds the port instead of sharing it.
                 ("grpc.so_reuseport", 0),
-                # Connections past the cap are closed as they arrive (each one costs
-                # transport buffers even while idle).
-                ("grpc.max_allowed_incoming_connections", config.max_connections),
+                *connection_options(config),
             ],
         )
         add_to_server(service, server)
@@ -259,6 +269,7 @@ async def start_server(
         health=health_servicer,
         metrics_endpoint=endpoint,
         gate=gate,
+        calls=calls,
         tls=credentials is not None,
     )
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
