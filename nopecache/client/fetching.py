@@ -60,7 +60,8 @@ Outputs = tuple[torch.Tensor, torch.Tensor | None]
 class FetchResult:
     """What a fetch placed; with ``into=None`` also the K/V it placed them in.
 
-    ``mask[i]`` is True when prompt position i got cached KV. Without a paged target,
+    ``mask[i]`` is True when prompt position i got cached KV (with ``into``: a position
+    whose slot is -1 never does). Without a paged target,
     ``k``/``v`` are ``[layers, num_tokens, kv_heads, head_dim]``, K rotated to the target
     positions (post-RoPE), zeros where ``mask`` is False. ``ready``: for CUDA caches, an
     event recorded on ``into.stream`` after the last copy and kernel of the fetch (the
@@ -302,6 +303,8 @@ class Download:
         mask = torch.zeros(self.plan.num_tokens, dtype=torch.bool)
         for hit in placed:
             mask[hit.target.start : hit.target.end] = True
+        if into is not None:
+            mask &= torch.from_numpy(into.slots_host >= 0)  # slot -1: nothing written there
         result = FetchResult(
             self.plan,
             tuple(placed),
