@@ -76,6 +76,8 @@ class GetRules:
         self._codes = codes
         # A window of the largest blocks must fit the client's in-flight share.
         self._most = max(1, min(GET_WINDOW_KEYS, share_bytes // config.max_block_bytes))
+        # Tenant name -> [keys found, keys missed] by Gets since start (Admin.AdminStats).
+        self.tally: dict[str, list[int]] = {}
 
     def check_count(self, count: int, field: str, noun: str = "keys") -> None:
         """Raise Refusal (OVER_LIMIT) when ``count`` keys are more than one request may name."""
@@ -122,7 +124,7 @@ class GetRules:
             start += len(found)
             if sent:
                 window = max(1, min(self._most, GET_WINDOW_BYTES * hits // sent))
-        self._count(tenant, sent)
+        self._count(tenant, sent, hits, len(keys) - hits)
 
     async def lent(
         self, tenant: Tenant, keys: Sequence[bytes], lease: Lease
@@ -131,7 +133,7 @@ class GetRules:
         than read: (index, tier code, the views of its pages) valid until the next entry
         is asked for (``TieredStore.lease``; the shared-memory Get copies them straight
         into the client's segment). Raises Refusal."""
-        sent = 0
+        sent = hits = 0
         for index, key in enumerate(keys):
             lent = self._store.lease(key)
             if lent is None:
@@ -142,6 +144,7 @@ class GetRules:
                 blob, tier = found
                 await lease.reserve(len(blob), "GetFrame")
                 sent += len(blob)
+                hits += 1
                 yield index, self._codes[tier], blob
                 lease.release()
                 continue
@@ -149,11 +152,12 @@ class GetRules:
             try:
                 await lease.reserve(tier_lease.size, "GetFrame")
                 sent += tier_lease.size
+                hits += 1
                 yield index, self._codes[tier], tier_lease.views
             finally:
                 tier_lease.release()
                 lease.release()
-        self._count(tenant, sent)
+        self._count(tenant, sent, hits, len(keys) - hits)
 
     async def into(
         self, tenant: Tenant, keys: Sequence[bytes], lease: Lease, buffer: SendBuffer
@@ -165,7 +169,7 @@ class GetRules:
         A block of the host-memory tier is lent, not copied: ``parts`` are views of its
         pages under a tier read lease (no page of it is reused until the next entry is
         asked for), so its bytes go from the pool to the socket with no copy here."""
-        sent = 0
+        sent = hits = 0
         for key in keys:
             lent = self._store.lease(key)
             if lent is not None:
@@ -179,6 +183,7 @@ class GetRules:
                     tier_lease.release()
                     lease.release()
                 sent += tier_lease.size
+                hits += 1
                 continue
             found = await self._store.get_into(key, memoryview(buffer.data))
             if found is not None and found[0] > len(buffer.data):
@@ -198,8 +203,12 @@ class GetRules:
             buffer.parts = []
             lease.release()
             sent += size
-        self._count(tenant, sent)
+            hits += 1
+        self._count(tenant, sent, hits, len(keys) - hits)
 
-    def _count(self, tenant: Tenant, sent: int) -> None:
+    def _count(self, tenant: Tenant, sent: int, hits: int, misses: int) -> None:
         self._metrics.get_bytes(sent)
         self._metrics.tenant_get_bytes(tenant.name, sent)
+        tally = self.tally.setdefault(tenant.name, [0, 0])
+        tally[0] += hits
+        tally[1] += misses
