@@ -264,8 +264,16 @@ class WorkerSide:
         kv = PagedLayerKV(self.layout, self.caches, slots)
         started = time.perf_counter()
         try:
+            # The prompt past the claim (the question) for a policy that reads it.
+            question = torch.tensor(spec.tokens[spec.end :], dtype=torch.int64)
             run = run_selective(
-                self.blend_stack, kv, ids, layout, self.config.policy(), output=False
+                self.blend_stack,
+                kv,
+                ids,
+                layout,
+                self.config.policy(),
+                output=False,
+                lookahead=question,
             )
         except Exception as err:  # never wrong KV: vLLM recomputes past the exact part
             log.exception("nopecache: blend loop for %s failed", spec.req_id)
