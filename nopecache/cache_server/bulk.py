@@ -229,7 +229,8 @@ class BulkServer:
                 size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
                 await intake.open_block(key, size)
                 blob = bytearray(size)
-                await self._recv_into(loop, conn, lease, memoryview(blob))
+                # An open block: its room may be reclaimed while the sender stalls.
+                await self._recv_into(loop, conn, lease, memoryview(blob), reclaimable=True)
                 await intake.complete(key, memoryview(blob))
             return put_reply(await intake.finish())
 
@@ -264,13 +265,18 @@ class BulkServer:
 
     @staticmethod
     async def _recv_into(
-        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, view: memoryview
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        lease: Lease,
+        view: memoryview,
+        *,
+        reclaimable: bool = False,
     ) -> None:
         """Fill ``view`` from the peer, watched by the lease's idle timer (a sender that
         sends nothing for ``stream_idle_timeout_s`` gets the task cancelled)."""
         got, n = 0, view.nbytes
         while got < n:
-            lease.begin_wait()
+            lease.begin_wait(reclaimable=reclaimable)
             try:
                 k = await loop.sock_recv_into(conn, view[got:])
             finally:

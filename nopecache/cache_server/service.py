@@ -219,7 +219,13 @@ class KVCacheService:
             lease = self._lease(context, tenant)
             intake = self.puts.intake(tenant, lease, FRAME_WORDING)
             try:
-                async for raw in lease.paced(request_iterator):
+                most = self._config.max_message_bytes
+
+                def credit() -> int:  # a frame of an open block comes on its reservation
+                    return 0 if intake.partial is not None else most
+
+                frames = lease.paced(request_iterator, credit, "PutFrame: the next frame")
+                async for raw in frames:
                     try:
                         key, size, data = decode_put_frame(raw)
                     except WireError as e:

@@ -199,7 +199,8 @@ class PutIntake:
 
     async def open_block(self, key: bytes, size: int) -> int:
         """Admit the next block (its key and announced size) and reserve its bytes in the
-        lease (waiting for room); its position. Raises Refusal past a limit."""
+        lease (waiting for room; the read credit its first frame came on counts); its
+        position. Raises Refusal past a limit."""
         config = self._rules.config
         words = self._wording
         position = len(self.results)
@@ -229,8 +230,9 @@ class PutIntake:
                 ),
             )
         # Whole blocks, not frames: streams holding parts of blocks could fill the budget
-        # with none of them able to finish one.
-        await self._lease.reserve(size, words.block.format(position=position))
+        # with none of them able to finish one. A stream that then sends nothing loses
+        # the room when others need it (InflightBudget.reclaim_idle).
+        await self._lease.reserve_block(size, words.block.format(position=position))
         self.results.append(BlockResult(key))
         if position % YIELD_EVERY_BLOCKS == YIELD_EVERY_BLOCKS - 1:
             await asyncio.sleep(0)  # many tiny blocks must not hold the loop
