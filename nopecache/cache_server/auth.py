@@ -47,7 +47,7 @@ import inspect
 import logging
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +322,13 @@ class RequestGate(grpc.aio.ServerInterceptor):
         self._anonymous = anonymous
         self.limiter = ClientLimiter(max_streams_per_client)
         self._metrics = metrics
+        # Tenant name -> quota set at run time (Admin.SetQuota); replaces the configured one.
+        self.quota_overrides: dict[str, int] = {}
+
+    def current(self, tenant: Tenant) -> Tenant:
+        """``tenant`` as it is now: with the quota set at run time, if any."""
+        quota = self.quota_overrides.get(tenant.name)
+        return tenant if quota is None else replace(tenant, quota_bytes=quota)
 
     @property
     def tenants(self) -> tuple[Tenant, ...]:
@@ -340,7 +347,7 @@ class RequestGate(grpc.aio.ServerInterceptor):
             return handler
         method = details.method[len(self._prefix) :]
         if self._tokens is None:
-            return self._admitting(handler, method, self._anonymous)
+            return self._admitting(handler, method, self.current(self._anonymous))
         token = bearer_token(details.invocation_metadata)
         if isinstance(token, AuthFailure):
             return self._refusing(handler, method, token)
@@ -349,7 +356,7 @@ class RequestGate(grpc.aio.ServerInterceptor):
             return self._refusing(
                 handler, method, AuthFailure("invalid", "authorization: invalid token")
             )
-        return self._admitting(handler, method, tenant)
+        return self._admitting(handler, method, self.current(tenant))
 
     def _refusing(self, handler: Handler, method: str, failure: AuthFailure) -> Handler:
         self._metrics.auth_failure(failure.reason)

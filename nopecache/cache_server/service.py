@@ -73,6 +73,7 @@ from nopecache.cache_server.codes import STATUS, put_reply
 from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
+from nopecache.cache_server.pins import PinTable
 from nopecache.cache_server.refusal import Refusal, bad_request
 from nopecache.cache_server.shm import ShmSessions
 from nopecache.cache_server.store import TieredStore
@@ -151,6 +152,8 @@ class KVCacheService:
         self._codes.update({name: i + 1 for i, name in enumerate(self._tier_names)})
         # The transfer rules both transports speak (transfer_put.py, transfer_get.py).
         self.puts = PutRules(store, config, metrics, self.quotas, self.verifier)
+        # The server's pins (Admin.Pin); a deleted block loses its pin.
+        self.pins: PinTable | None = None
         self.gets = GetRules(store, config, metrics, self._codes, self.inflight.share_bytes)
         self._info = pb.ServerInfo(
             version=server_version(),
@@ -217,8 +220,8 @@ class KVCacheService:
         with self._metrics.latency["Put"].time():
             tenant = self._resolve(context).tenant
             lease = self._lease(context, tenant)
-            intake = self.puts.intake(tenant, lease, FRAME_WORDING)
             try:
+                intake = self.puts.intake(tenant, lease, FRAME_WORDING)
                 most = self._config.max_message_bytes
 
                 def credit() -> int:  # a frame of an open block comes on its reservation
@@ -398,6 +401,8 @@ class KVCacheService:
             except Refusal as r:
                 await self._abort(context, "Delete", r)
             deleted = await self._store.delete(keys)
+            if self.pins is not None:
+                self.pins.unpin(keys)
             self.quotas.release(tenant, keys)
             if tenant.quota_bytes:
                 used = self.quotas.used_bytes(tenant)

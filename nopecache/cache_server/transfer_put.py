@@ -161,9 +161,20 @@ class PutRules:
         self.metrics = metrics
         self.quotas = quotas
         self.verifier = verifier
+        # Set by a drain (Admin.Drain, SIGTERM): every new Put is refused (TIER_DOWN, which
+        # is UNAVAILABLE on the wire: clients mark this server down and store elsewhere).
+        self.draining = False
 
     def intake(self, tenant: Tenant, lease: Lease, wording: PutWording) -> PutIntake:
-        """A new Put of ``tenant``, its blocks reserved in ``lease``."""
+        """A new Put of ``tenant``, its blocks reserved in ``lease``; raises Refusal
+        (TIER_DOWN) while the server drains."""
+        if self.draining:
+            self.count_rejected(tenant, "draining")
+            raise Refusal(
+                RefusalKind.TIER_DOWN,
+                "draining",
+                "server: draining (leaving rotation), it admits no new Put; store elsewhere",
+            )
         return PutIntake(self, tenant, lease, wording)
 
     def count_rejected(self, tenant: Tenant, reason: str, blocks: int = 1) -> None:
@@ -351,6 +362,17 @@ class PutIntake:
             rules.quotas.release(tenant, (stored_key,))
             rules.count_rejected(tenant, "no_tier_fits")
             self._refuse(position, over_limit("no_tier_fits", str(e)))
+            return
+        if outcome is PutOutcome.FULL:
+            rules.quotas.release(tenant, (stored_key,))
+            rules.count_rejected(tenant, "pinned_full")
+            self._refuse(
+                position,
+                over_limit(
+                    "pinned_full",
+                    "tiers: every tier that can hold this block is full of pinned blocks",
+                ),
+            )
             return
         if outcome is PutOutcome.UNAVAILABLE:
             rules.quotas.release(tenant, (stored_key,))
