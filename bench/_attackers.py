@@ -45,6 +45,7 @@ LORIS_STREAMS = 256
 SQUAT_STREAMS = 16
 BULK_SQUATTERS = 300
 IDLE_BULK = 16
+FLOOD_AFTER_S = 3.0
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _SETTINGS = struct.pack(">I", 0)[1:] + bytes([4, 0]) + struct.pack(">I", 0)
 _SETTINGS_ACK = struct.pack(">I", 0)[1:] + bytes([4, 1]) + struct.pack(">I", 0)
@@ -113,6 +114,10 @@ async def watch_flood(address: str, n: int, end: float, report: FloodReport) -> 
 
 async def idle_flood(host: str, port: int, n: int, end: float, report: FloodReport) -> None:
     """Raw HTTP/2 connections past the handshake that never send a call."""
+
+    # The other attackers connect first (the flood would otherwise keep them out too, and
+    # their own limits would go untested); clients connecting from now on meet it.
+    await asyncio.sleep(FLOOD_AFTER_S)
 
     async def one() -> None:
         while time.monotonic() < end:
