@@ -17,9 +17,14 @@ from dataclasses import replace
 import pytest
 
 from nopecache.proto import cache_pb2 as pb
-from nopecache.proto.bulk import COUNT, ENTRY, MAGIC, encode_get
+from nopecache.proto import cache_pb2_grpc
+from nopecache.proto.bulk import BLOCK, COUNT, ENTRY, MAGIC, encode_get, encode_put
 from tests.support.bulk_wire import BOUNDED, MiB, open_bulk, recv_exact, welcomed
-from tests.support.server_harness import key_of, make_block, put, serving
+from tests.support.server_harness import frames_of, key_of, make_block, put, serving, stream
+from tests.support.tenants import open_channel
+from tests.support.waiting import wait_until
+
+OWN_CONNECTION = [*BOUNDED.grpc_options, ("grpc.use_local_subchannel_pool", 1)]
 
 # Generous next to the deadlines under test (0.5 s): a loaded machine runs timers late,
 # never this late; without the deadline the wait never ends.
@@ -171,3 +176,35 @@ async def test_a_slow_reader_that_keeps_reading_is_not_cut_mid_block() -> None:
             return bytes(got)
 
         assert await asyncio.to_thread(slow_read) == blob
+
+
+@pytest.mark.asyncio
+async def test_bulk_put_heads_that_announce_blocks_and_stall_do_not_squat_the_budget() -> None:
+    # Long idle timeout: what frees the room is the reclaim (1 s while others wait).
+    async with serving(replace(BOUNDED, stream_idle_timeout_s=60.0)) as h:
+        address = h.running.address
+        ticket_channels = [open_channel(address, options=OWN_CONNECTION) for _ in range(2)]
+        squatters = []
+        for n in range(4):  # two principals, two 4 MiB heads each: the whole 16 MiB budget
+            ch = ticket_channels[n % 2]
+            reply = await ch.unary_unary(
+                "/nopecache.v1.KVCache/OpenBulk",
+                request_serializer=pb.OpenBulkRequest.SerializeToString,
+                response_deserializer=pb.OpenBulkReply.FromString,
+            )(pb.OpenBulkRequest())
+            sock = await asyncio.to_thread(welcomed, reply)
+            sock.sendall(encode_put(1) + BLOCK.pack(4 * MiB, key_of(50 + n)) + b"x")
+            squatters.append(sock)
+        inflight = h.running.service.inflight
+        await wait_until(lambda: inflight.used_bytes >= 16 * MiB, timeout_s=30)
+        victim = open_channel(address, options=OWN_CONNECTION)
+        key = key_of(60)
+        blob = make_block(key, tokens=MiB // 256, head_dim=64)
+        stub = cache_pb2_grpc.KVCacheStub(victim)
+        # Without the reclaim the Put waits for the squatters' 60 s idle timeout.
+        reply = await stub.Put(stream(frames_of([(key, blob)], h.frame_bytes)), timeout=10)
+        assert [r.outcome for r in reply.results] == [pb.PUT_OUTCOME_STORED]
+        for s in squatters:
+            s.close()
+        for c in [*ticket_channels, victim]:
+            await c.close(None)
