@@ -265,7 +265,33 @@ class ServerConfig:
     max_concurrent_rpcs: int = field(
         default=1024,
         metadata=_opt(
-            _INT, "most RPCs the server serves at once, all clients together; more are refused"
+            _INT,
+            "RPCs the server serves at once, all clients together; past it a client is "
+            "admitted only within its fair share (this / clients holding calls)",
+        ),
+    )
+    max_probe_calls_per_peer: int = field(
+        default=8,
+        metadata=_opt(
+            _INT,
+            "calls without a token (health, reflection) one address may have in flight",
+        ),
+    )
+    connection_idle_timeout_s: float = field(
+        default=60.0,
+        metadata=_opt(
+            _FLOAT,
+            "a gRPC connection with no call in flight this long is closed (clients "
+            "reconnect on their next call)",
+            "SECONDS",
+        ),
+    )
+    handshake_timeout_s: float = field(
+        default=5.0,
+        metadata=_opt(
+            _FLOAT,
+            "a connection that has not finished its TLS/HTTP2 handshake this long is closed",
+            "SECONDS",
         ),
     )
 
@@ -330,6 +356,14 @@ class ServerConfig:
             raise ConfigError(f"max_connections: must be >= 1, got {self.max_connections}")
         if self.max_concurrent_rpcs < 1:
             raise ConfigError(f"max_concurrent_rpcs: must be >= 1, got {self.max_concurrent_rpcs}")
+        if self.max_probe_calls_per_peer < 1:
+            raise ConfigError(
+                f"max_probe_calls_per_peer: must be >= 1, got {self.max_probe_calls_per_peer}"
+            )
+        for name in ("connection_idle_timeout_s", "handshake_timeout_s"):
+            value = getattr(self, name)
+            if not 0.001 <= value <= 86400:
+                raise ConfigError(f"{name}: must be in [0.001, 86400] seconds, got {value}")
         if self.max_streams_per_client < 1:
             raise ConfigError(
                 f"max_streams_per_client: must be >= 1, got {self.max_streams_per_client}"

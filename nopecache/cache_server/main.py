@@ -43,8 +43,10 @@ from nopecache.cache_server.config import (
     flag_name,
     load_config,
 )
+from nopecache.cache_server.limits import connection_options
 from nopecache.cache_server.metrics import MetricsEndpoint, ServerMetrics
 from nopecache.cache_server.pins import PinTable
+from nopecache.cache_server.principals import CallLimiter, transport_rpc_cap
 from nopecache.cache_server.roles import ADMIN_SERVICE_NAME, AdminGate, load_admin_tokens
 from nopecache.cache_server.service import (
     SERVICE_NAME,
@@ -89,6 +91,7 @@ class RunningServer:
     metrics_endpoint: MetricsEndpoint | None
     gate: RequestGate
     pins: PinTable
+    calls: CallLimiter | None = None
     tls: bool = False
     _monitor: asyncio.Task[None] | None = field(default=None, repr=False)
     _stopped: bool = False
@@ -214,16 +217,23 @@ async def start_server(
     try:
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
         service.pins = pins
+        calls = CallLimiter(
+            SERVICE_NAME,
+            tokens=tokens,
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
+            max_probe_calls_per_peer=config.max_probe_calls_per_peer,
+            metrics=metrics,
+        )
         server = grpc.aio.server(
-            interceptors=[gate, admin_gate, *interceptors],
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            interceptors=[calls, gate, admin_gate, *interceptors],
+            # Past what CallLimiter admits: its refusals name the option and spare the
+            # clients under their share, gRPC's would refuse everyone alike.
+            maximum_concurrent_rpcs=transport_rpc_cap(config.max_concurrent_rpcs),
             options=[
                 *config.grpc_options,
                 # Fail loudly if another process holds the port instead of sharing it.
                 ("grpc.so_reuseport", 0),
-                # Connections past the cap are closed as they arrive (each one costs
-                # transport buffers even while idle).
-                ("grpc.max_allowed_incoming_connections", config.max_connections),
+                *connection_options(config),
             ],
         )
         add_to_server(service, server)
@@ -293,6 +303,7 @@ async def start_server(
         metrics_endpoint=endpoint,
         gate=gate,
         pins=pins,
+        calls=calls,
         tls=credentials is not None,
     )
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

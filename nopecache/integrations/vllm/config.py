@@ -13,7 +13,8 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      the misses and the policy's tokens
     recompute_policy
                  str    "first_k"    blend only: a policy factory of policies.py
-                                     (none, first_k, deviation, blend, taper, selective)
+                                     (none, first_k, deviation, blend, taper, selective,
+                                     question: ranked by the question's attention)
     recompute_budget
                  float  0.15         blend only: share of the reused position-independent
                                      token-layers the policy recomputes, in [0, 1]
