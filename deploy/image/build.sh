@@ -83,9 +83,11 @@ for key, value in settings.items():
         continue
     local = []
     for part in value.split():
-        p = part[len("file://"):] if part.startswith("file://") else part
-        if p.startswith("/"):
-            local.append(p)
+        if part.startswith("file://"):
+            # A file index (.../simple) links to its files beside it (../files/...).
+            local.append(os.path.dirname(part[len("file://"):].rstrip("/")))
+        elif part.startswith("/"):
+            local.append(part)
     if local and not mountable:
         print(f"build.sh: pip {key} names local paths docker cannot mount: dropped",
               file=sys.stderr)
