@@ -128,8 +128,8 @@ base_args=(--build-arg "PYTHON_IMAGE=$base")
 common=(-f deploy/Dockerfile -t "$image" "${base_args[@]}" "${secret_args[@]}")
 case $builder in
   docker) DOCKER_BUILDKIT=1 docker build "${common[@]}" . ;;
-  podman) podman build --ignorefile deploy/Dockerfile.dockerignore "${mounts[@]}" "${common[@]}" . ;;
-  buildah) buildah "${storage[@]}" bud --isolation "${BUILDAH_ISOLATION:-chroot}" \
+  podman) podman build --format docker --ignorefile deploy/Dockerfile.dockerignore "${mounts[@]}" "${common[@]}" . ;;
+  buildah) buildah "${storage[@]}" bud --format docker --isolation "${BUILDAH_ISOLATION:-chroot}" \
              --ignorefile deploy/Dockerfile.dockerignore "${mounts[@]}" "${common[@]}" . ;;
 esac
 echo "build.sh: built $image with $builder"
