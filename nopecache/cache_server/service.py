@@ -226,7 +226,13 @@ class KVCacheService:
             lease = self._lease(context, tenant)
             try:
                 intake = self.puts.intake(tenant, lease, FRAME_WORDING)
-                async for raw in lease.paced(request_iterator):
+                most = self._config.max_message_bytes
+
+                def credit() -> int:  # a frame of an open block comes on its reservation
+                    return 0 if intake.partial is not None else most
+
+                frames = lease.paced(request_iterator, credit, "PutFrame: the next frame")
+                async for raw in frames:
                     try:
                         key, size, data = decode_put_frame(raw)
                     except WireError as e:
@@ -271,10 +277,16 @@ class KVCacheService:
     def _lease(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> Lease:
         """The in-flight lease of one call: its tenant's share with auth, else its
         connection's; given back when the call ends, however it ends."""
-        lease = self.inflight.lease(tenant.name if tenant.namespace else context.peer())
+        lease = self.inflight.lease(self._owner(context, tenant))
         # The stubs type the callback as a class; any callable taking the context works.
         context.add_done_callback(lease.on_done)  # type: ignore[arg-type]
         return lease
+
+    @staticmethod
+    def _owner(context: grpc.aio.ServicerContext, tenant: Tenant) -> str:
+        """Whom a call's shares are counted against: its tenant with auth, else its
+        connection (a bulk connection counts against the gRPC one that asked for it)."""
+        return tenant.name if tenant.namespace else context.peer()
 
     async def _get_frames(
         self,
@@ -359,6 +371,7 @@ class KVCacheService:
             inflight=self.inflight,
             puts=self.puts,
             gets=self.gets,
+            config=self._config,
         )
         return self.bulk
 
@@ -373,7 +386,10 @@ class KVCacheService:
             await self._abort(context, "OpenBulk", r)
         if self.bulk is None:
             return pb.OpenBulkReply(refused="this server offers no bulk stream (TLS or off)")
-        port, ticket = await self.bulk.ticket(tenant)
+        issued = await self.bulk.ticket(tenant, self._owner(context, tenant))
+        if isinstance(issued, str):
+            return pb.OpenBulkReply(refused=issued)
+        port, ticket = issued
         return pb.OpenBulkReply(port=port, ticket=ticket, ticket_ttl_ms=int(TICKET_TTL_S * 1000))
 
     async def WatchRemovals(

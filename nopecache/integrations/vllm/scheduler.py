@@ -46,6 +46,7 @@ from nopecache.integrations.vllm.blend import blend_claim_end, blend_layout, ble
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
 from nopecache.integrations.vllm.events import AnnouncedBlocks
 from nopecache.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan, StepReport
+from nopecache.integrations.vllm.rates import MeasuredRates
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import BlockHash
@@ -72,9 +73,6 @@ SCHEDULER_COUNTERS = (
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown in vLLM's log
 
-# Before any step report: a conservative CPU prefill rate (the claim pays in any case
-# unless fetches are slow).
-_DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 _SALT = b"nopecache-approximate-kv:"
 
 
@@ -193,6 +191,8 @@ class SchedulerSide:
         self._salted: dict[str, int] = {}  # request -> first block salted
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
+        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
+        self.rates = MeasuredRates(model.num_layers, per_token * model.dtype.itemsize)
 
     # -- claims -----------------------------------------------------------------------
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -246,12 +246,13 @@ class SchedulerSide:
             return prefix
         layout = blend_layout(plan, start, end)
         fraction = self.policy.planned_fraction(layout, self.model.num_layers)
-        if not blend_pays(
+        prefill_rate = self.rates.prefill_tokens_per_s()  # None: not measured enough yet
+        if prefill_rate is not None and not blend_pays(
             layout,
             fraction,
-            prefill_tokens_per_s=self._prefill_rate(),
-            fetch_s=self._fetch_s(layout.num_pi),
-            loop_tokens_per_s=self._loop_rate(),
+            prefill_tokens_per_s=prefill_rate,
+            fetch_s=self.rates.fetch_s(layout.num_pi),
+            loop_tokens_per_s=self.rates.loop_tokens_per_s(),
         ):
             log.info(
                 "nopecache: %s: blend claim [%d, %d) does not pay (%d reused of %d, "
@@ -281,32 +282,6 @@ class SchedulerSide:
             pi_tokens=layout.num_pi,
             approximate_from=approximate_from,
         )
-
-    def _prefill_rate(self) -> float:
-        """vLLM's prefill rate, tokens/s, from the workers' reports (a default before any)."""
-        report = self.totals.report
-        if report.computed_tokens and report.forward_seconds > 0:
-            return report.computed_tokens / report.forward_seconds
-        return _DEFAULT_PREFILL_TOKENS_PER_S
-
-    def _loop_rate(self) -> float | None:
-        """The layer loop's rate in whole tokens (all layers) per second, once measured."""
-        report = self.totals.report
-        if report.blend_token_layers and report.blend_seconds > 0:
-            return report.blend_token_layers / self.model.num_layers / report.blend_seconds
-        return None
-
-    def _fetch_s(self, tokens: int) -> float:
-        """Seconds to fetch ``tokens`` tokens of KV at the client's observed rate (0 before
-        any fetch: the lookup's cost filter already dropped hits slower than recompute)."""
-        if self.client is None:
-            return 0.0
-        stats = self.client.stats()
-        if not stats.fetched_bytes or stats.fetch_seconds <= 0:
-            return 0.0
-        per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
-        nbytes = tokens * per_token * self.model.dtype.itemsize
-        return nbytes * stats.fetch_seconds / stats.fetched_bytes
 
     def claim_is_async(self, req_id: str) -> bool:
         """Whether the pending claim of ``req_id`` loads in the background (blend: never,
@@ -408,9 +383,8 @@ class SchedulerSide:
         """Fold the workers' account of a step into the totals and the cost model."""
         if report is None:
             return
-        # Steps follow one another: their forward times sum (the longest of them would put
-        # a lifetime of tokens over one step's time, and no blend claim would pay).
         self.totals.report = self.totals.report.add(report)
+        self.rates.observe(report)
         if self.client is not None and report.computed_tokens and report.forward_seconds > 0:
             self.client.observe_prefill(report.computed_tokens, report.forward_seconds)
 
