@@ -431,7 +431,13 @@ class RedisTier(Tier):
         if self._closed:
             return
         self._closed = True
-        await self._client.aclose()
+        try:
+            await self._client.aclose()
+        except (rex.RedisError, OSError) as exc:
+            # Closing is shutdown: a connection that cannot close in time (a write queued
+            # to a Redis that reads nothing, a loop stalled past the timeout) is dropped
+            # and logged, never an error that stops the rest of the shutdown.
+            log.warning("redis tier %s: connections dropped on close: %r", self._url, exc)
 
     async def _decompress_all(self, raws: Sequence[bytes | None]) -> list[bytes | None]:
         """Decompress each value; None for a miss or a damaged frame."""

@@ -214,6 +214,7 @@ class WorkerSide:
         # Every block lands in vLLM's pages through the client's paged contract and the
         # fused re-RoPE scatter: no whole-plan tensor, no second copy.
         into = self.layout.paged(self.caches, self._slot_mapping(spec))
+        started = time.perf_counter()
         try:
             result = self.client.fetch(spec.plan, spec.tokens, into=into)
             if result.ready is not None:
@@ -222,6 +223,10 @@ class WorkerSide:
             log.warning("nopecache fetch for %s failed: %s", spec.req_id, err)
             self._fail(spec, claimed)
             return
+        if result.nbytes:  # the scheduler's cost check prices fetches with these
+            with self._lock:
+                self._report.fetched_bytes += result.nbytes
+                self._report.fetch_seconds += time.perf_counter() - started
         if spec.blend:
             self._blend_one(spec, result)
             return

@@ -59,6 +59,7 @@ def test_prefix_loads_land_through_the_kernel_past_vllms_own_blocks(
         assert kernel.slots == []  # a stores only
         before = [tuple(t.clone() for t in b.kv(layer)) for layer in range(LAYERS)]
         fetched = b.client.stats().fetched_blocks
+        fetched_bytes = b.client.stats().fetched_bytes
         # vLLM holds the first block locally (block 5): the claim is blocks 6 and 7.
         second = b.step(_request("r2", [*PROMPT[:12], 7, 8]), [5, 6, 7, 8], BS)
         assert second.claimed == 8
@@ -75,6 +76,9 @@ def test_prefix_loads_land_through_the_kernel_past_vllms_own_blocks(
             assert torch.equal(vb[others], before[layer][1][others])
         report = b.worker.take_report()
         assert report is not None and report.loaded_exact_tokens == 8
+        # The fetch is reported for the scheduler's cost check (its client never fetches).
+        assert report.fetched_bytes == b.client.stats().fetched_bytes - fetched_bytes > 0
+        assert report.fetch_seconds > 0
     finally:
         a.close()
         b.close()
