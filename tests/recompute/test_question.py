@@ -123,6 +123,7 @@ def test_labels_and_the_engines_factory_name() -> None:
     )
     by_name = rc.policy_by_name("question", 0.2)
     assert isinstance(by_name, QuestionAware) and by_name.budget == 0.2
+    assert by_name.name == "question(0.2,0.5,prescan)"
     assert "question" in rc.POLICY_FACTORIES
 
 

@@ -20,7 +20,9 @@ from nopecache.recompute.gate import CALIBRATION_PROMPTS, GateThresholds
 from nopecache.recompute.policies import ReuseLayout
 from tests.support.local_model import load_model, load_tokenizer
 
-pytestmark = pytest.mark.slow
+# A calibration is three prefills of ~500 tokens, a 16-token greedy answer and a blend
+# each; on a shared 2-core machine under load one took 140 s: 1200 s leaves room for two.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
