@@ -14,8 +14,13 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.nopecache-installed
 # The SmolLM2 folder vLLM loads, converted once by the main environment.
 VLLM_MODEL = $$($(BIN)/python -m tests.support.local_model)
+# SGLang's classes (HiCache storage backend tests): CPU torch and only what importing SGLang's
+# memory-cache modules needs (requirements-sglang.txt), SGLang itself with --no-deps.
+SGLANG_VENV := .venv-sglang
+SGLANG_BIN := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.nopecache-installed
 
-.PHONY: all venv vllm demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-quick proto redis-server lock clean gpu-check
+.PHONY: all venv vllm sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-quick proto redis-server lock clean gpu-check
 
 all: test
 
@@ -42,6 +47,19 @@ $(VLLM_STAMP): pyproject.toml requirements-vllm.txt constraints/vllm.txt
 vllm: $(VLLM_STAMP) venv
 	$(BIN)/python -m tests.support.local_model
 
+# SGLang 0.5.23's full requirements are a CUDA stack; --no-deps plus requirements-sglang.txt
+# is what its memory-cache modules import. torchvision (imported by sglang.srt.configs) is
+# PyPI's CUDA-linked build, installed without its deps so it cannot replace CPU torch.
+$(SGLANG_STAMP): pyproject.toml requirements-sglang.txt constraints/sglang.txt
+	test -x $(SGLANG_BIN)/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
+	$(SGLANG_BIN)/python -m pip install -q -c constraints/sglang.txt -r requirements-sglang.txt
+	$(SGLANG_BIN)/python -m pip install -q --no-deps -c constraints/sglang.txt sglang torchvision
+	$(SGLANG_BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat
+	touch $@
+
+sglang: $(SGLANG_STAMP)
+
 # Regenerates constraints/*.txt: both environments resolved afresh, then frozen.
 lock:
 	rm -rf .lock && mkdir .lock
@@ -51,6 +69,10 @@ lock:
 	$(PYTHON) -m venv .lock/vllm
 	.lock/vllm/bin/python -m pip install -q -r requirements-vllm.txt
 	.lock/vllm/bin/python -m pip freeze --exclude-editable > constraints/vllm.txt
+	$(PYTHON) -m venv .lock/sglang
+	.lock/sglang/bin/python -m pip install -q -r requirements-sglang.txt
+	.lock/sglang/bin/python -m pip install -q --no-deps sglang==0.5.23 torchvision==0.28.0
+	.lock/sglang/bin/python -m pip freeze --exclude-editable > constraints/sglang.txt
 	rm -rf .lock
 
 redis-server:
@@ -68,10 +90,16 @@ typecheck: venv
 test: venv redis-server lint typecheck
 	$(BIN)/python -m pytest
 	$(MAKE) test-vllm
+	$(MAKE) test-sglang
 
 # The tests that run a real vLLM: two engines sharing KV through a real server.
 test-vllm: vllm redis-server
 	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python -m pytest tests/integrations/vllm/engine
+
+# SGLang's own classes on CPU: the HiCache storage backend loaded by SGLang's factory, pages
+# between two real host pools through a real server (and the bench's --quick run).
+test-sglang: sglang redis-server
+	$(SGLANG_BIN)/python -m pytest tests/integrations/sglang
 
 # The demo on vLLM: one nopecache server, two vLLM engines (examples/demo_vllm.py).
 demo: vllm
@@ -117,4 +145,4 @@ proto: venv
 	$(BIN)/python -m nopecache.proto.generate
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -74,11 +74,16 @@ class StoredForm(enum.IntEnum):
     ROPE: K after RoPE at the block's ``source_positions``; re-rotated by a delta on fetch.
     MLA:  DeepSeek-style latent ``[kv_lora_rank | rope part]`` with the rope part in nope
           form; no separate V.
+    ENGINE_PAGE: one page of an engine's own KV pool, bytes in the engine's layout (which
+          the fingerprint names), K post-RoPE at positions only the engine's page hash
+          implies; token ids unknown (zeros). Reused only under the same engine key, never
+          rotated or placed by the client (SGLang's HiCache pages). ``v_head_dim`` 0: no V.
     """
 
     NOPE = 0
     ROPE = 1
     MLA = 2
+    ENGINE_PAGE = 3
 
 
 FORMAT_VERSION = 1
@@ -176,6 +181,9 @@ def _check_layout(form: StoredForm, dtype: str, shape: tuple[int, ...], v_head_d
             raise BlockHeaderError(f"v_head_dim: must be 0 for MLA (no V), got {v_head_dim}")
         if kv_heads != 1:
             raise BlockHeaderError(f"shape: MLA latent has kv_heads 1, got {kv_heads}")
+    elif form == StoredForm.ENGINE_PAGE:
+        if v_head_dim < 0:
+            raise BlockHeaderError(f"v_head_dim: must be >= 0 for ENGINE_PAGE, got {v_head_dim}")
     elif v_head_dim <= 0:
         raise BlockHeaderError(f"v_head_dim: must be positive for {form.name}, got {v_head_dim}")
     return DTYPE_ITEMSIZE[dtype] * layers * tokens * kv_heads * (head_dim + v_head_dim)
@@ -246,8 +254,8 @@ class BlockHeader:
 
     @property
     def v_shape(self) -> tuple[int, int, int, int] | None:
-        """Shape of V in the payload, None for MLA."""
-        if self.form == StoredForm.MLA:
+        """Shape of V in the payload, None for MLA (and a V-less ENGINE_PAGE)."""
+        if self.form == StoredForm.MLA or self.v_head_dim == 0:
             return None
         layers, tokens, kv_heads, _ = self.shape
         return (layers, tokens, kv_heads, self.v_head_dim)
