@@ -22,6 +22,7 @@ pytest.importorskip("sglang", reason="the SGLang tests run in .venv-sglang (make
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
@@ -33,6 +34,10 @@ LAYERS = 3
 HEADS = 2
 HEAD_DIM = 8
 DEVICE_TOKENS = 64  # the host pool holds twice that: 33 pages of 4 tokens
+# SGLang sizes a host pool against the machine's free RAM minus a reserve of several GiB,
+# which on a shared machine can be below zero. Its own scope books pools against a given
+# budget instead: these pools need a few KiB, the budget is far above that.
+HOST_BUDGET_BYTES = 1 << 30
 
 HostFactory = Callable[[str], Any]
 BackendFactory = Callable[..., NopecacheStorage]
@@ -92,18 +97,19 @@ def host_pool(device_pool: MHATokenToKVPool) -> HostFactory:
 
     def make(layout: str) -> MHATokenToKVPoolHost:
         info = device_pool.get_device_pool_infos()[0].buffer_info
-        host = MHATokenToKVPoolHost(
-            info,
-            2.0,
-            0,
-            PAGE_SIZE,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=device_pool.size,
-            start_layer=device_pool.start_layer,
-            end_layer=device_pool.end_layer,
-        )
+        with host_memory_budget_scope(HOST_BUDGET_BYTES):
+            host = MHATokenToKVPoolHost(
+                info,
+                2.0,
+                0,
+                PAGE_SIZE,
+                layout,
+                pin_memory=False,
+                device="cpu",
+                device_capacity_tokens=device_pool.size,
+                start_layer=device_pool.start_layer,
+                end_layer=device_pool.end_layer,
+            )
         host.kv_buffer.zero_()
         return host
 
