@@ -20,7 +20,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_BIN := $(SGLANG_VENV)/bin
 SGLANG_STAMP := $(SGLANG_VENV)/.nopecache-installed
 
-.PHONY: all venv vllm sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-quick proto redis-server lock clean gpu-check
+.PHONY: all venv vllm sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-sglang bench-quick proto redis-server lock clean gpu-check
 
 all: test
 
@@ -113,9 +113,10 @@ demo-hf: venv
 # hide the benches after it); the target fails at the end, naming each bench that did.
 bench: venv redis-server
 	@failed=""; for b in bench/[!_]*.py; do \
-	  case $$b in bench/vllm_*) continue;; esac; echo "== $$b"; \
+	  case $$b in bench/vllm_*|bench/sglang_*) continue;; esac; echo "== $$b"; \
 	  $(BIN)/python $$b || failed="$$failed $$b"; done; \
 	$(MAKE) --no-print-directory bench-vllm || failed="$$failed bench-vllm"; \
+	$(MAKE) --no-print-directory bench-sglang || failed="$$failed bench-sglang"; \
 	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
 
 # Benchmarks that drive a real vLLM run in its environment.
@@ -124,13 +125,21 @@ bench-vllm: vllm
 	  echo "== $$b"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b || failed="$$failed $$b"; done; \
 	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
 
+# Benchmarks that drive SGLang's classes run in its environment.
+bench-sglang: sglang
+	@failed=""; for b in bench/sglang_*.py; do \
+	  echo "== $$b"; $(SGLANG_BIN)/python $$b || failed="$$failed $$b"; done; \
+	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
+
 # Every bench in its --quick mode (tiny sizes, one pass, the same RESULT keys), in the
 # order of `make bench`: a smoke run of seconds each (the vLLM ones start their engines).
 # `make test` runs the same through tests/bench/test_quick.py and, in the vLLM suite,
 # tests/integrations/vllm/engine/test_bench_quick.py.
-bench-quick: venv redis-server vllm
+bench-quick: venv redis-server vllm sglang
 	@set -e; for b in bench/[!_]*.py; do \
-	  case $$b in bench/vllm_*) continue;; esac; echo "== $$b --quick"; $(BIN)/python $$b --quick; done
+	  case $$b in bench/vllm_*|bench/sglang_*) continue;; esac; echo "== $$b --quick"; $(BIN)/python $$b --quick; done
+	@set -e; for b in bench/sglang_*.py; do \
+	  echo "== $$b --quick"; $(SGLANG_BIN)/python $$b --quick; done
 	@set -e; for b in bench/vllm_*.py; do \
 	  echo "== $$b --quick"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b --quick; done
 
