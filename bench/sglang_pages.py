@@ -62,7 +62,7 @@ RESULT_KEYS = (
 )
 SHAPES = {"llama3-8b": (32, 8, 128), "smollm2": (30, 3, 64)}
 PAGE_SIZE = 64
-PAGES = 32
+PAGES = 16
 _keys = itertools.count()
 
 
@@ -159,7 +159,7 @@ def set_get(device: MHATokenToKVPool, address: str, layout: str, reps: int) -> d
 def main() -> None:
     """Run every path and print the RESULT line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a smoke run: smollm2, one pass")
     args = parser.parse_args()
     name = "smollm2" if args.quick else "llama3-8b"
