@@ -20,7 +20,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_BIN := $(SGLANG_VENV)/bin
 SGLANG_STAMP := $(SGLANG_VENV)/.nopecache-installed
 
-.PHONY: all venv vllm sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-sglang bench-quick proto redis-server lock clean gpu-check
+.PHONY: all venv vllm sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-sglang bench-quick proto redis-server lock clean gpu-check image test-image
 
 all: test
 
@@ -85,12 +85,24 @@ lint: venv
 
 typecheck: venv
 	$(BIN)/mypy -p nopecache -p tests
-	$(BIN)/mypy examples deploy/healthcheck.py $(wildcard bench/*.py)
+	$(BIN)/mypy examples deploy/healthcheck.py deploy/image/check_image.py $(wildcard bench/*.py)
 
 test: venv redis-server lint typecheck
 	$(BIN)/python -m pytest
 	$(MAKE) test-vllm
 	$(MAKE) test-sglang
+	$(MAKE) test-image
+
+# The server image (deploy/Dockerfile) with whichever builder works here: docker, podman or
+# buildah; the host's pip settings go in as build secrets (deploy/image/build.sh).
+image: venv
+	PYTHON=$(BIN)/python deploy/image/build.sh $(IMAGE)
+
+# Builds the image, runs nopecache-server from it, stores and fetches a block from the host,
+# checks the health probe and the non-root user, removes all it made; without a builder it
+# says it skipped and why (deploy/image/check_image.py).
+test-image: venv
+	PYTHON=$(BIN)/python $(BIN)/python deploy/image/check_image.py
 
 # The tests that run a real vLLM: two engines sharing KV through a real server.
 test-vllm: vllm redis-server

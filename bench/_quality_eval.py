@@ -11,6 +11,7 @@ prompt gets namespaces of its own, so prompts sharing a document do not share it
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ from nopecache.integrations.hf.forward import PrefillOutput
 from nopecache.recompute.policies import RecomputePolicy
 
 MAX_ANSWER = 24
+FACT_MARGIN = 1.0
+"""Nats by which the full prefill's answer must prefer each token spelling the fact over
+its runner-up for the prompt's fact to count: a fact the full prefill itself barely
+chooses says nothing about what reuse keeps."""
 CHAT_SINK = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 DIALOG_SINK = CHAT_SINK + (
     "<|im_start|>user\nHi, can you help me with something?<|im_end|>\n"
@@ -168,6 +173,24 @@ def reference(
     return ref
 
 
+def fact_margin(tokenizer: PreTrainedTokenizerBase, p: EvalPrompt, ref: Reference) -> float | None:
+    """The smallest top-1 over top-2 log-probability gap of the full answer's tokens that
+    spell the fact's strings (None: the answer does not hold them all)."""
+    if not p.holds(ref.text):
+        return None
+    ends = [len(decode(tokenizer, ref.answer[: i + 1])) for i in range(len(ref.answer))]
+    top2 = ref.logprobs.topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1]).tolist()
+    text = ref.text.lower()
+    margin = math.inf
+    for fact in p.facts:
+        at = text.find(fact.lower())
+        first = next(i for i, end in enumerate(ends) if end > at)
+        last = next((i for i, end in enumerate(ends) if end >= at + len(fact)), len(ends) - 1)
+        margin = min(margin, min(gaps[first : last + 1]))
+    return margin
+
+
 @dataclass(slots=True)
 class Case:
     """One prompt, its reference, and its reuse fetched through the client (per store form)."""
@@ -175,13 +198,27 @@ class Case:
     prompt: EvalPrompt
     parts: Parts
     ref: Reference
-    has_fact: bool
+    margin: float | None
+    """``fact_margin`` of the full answer (None: it lacks the fact)."""
     reused: dict[Sink, ReusedKV] = field(default_factory=dict)
 
     @property
     def tokens(self) -> list[int]:
         """The whole prompt."""
         return self.parts.tokens
+
+    @property
+    def has_fact(self) -> bool:
+        """Whether the prompt's fact counts: the full answer holds it by ``FACT_MARGIN``."""
+        return self.margin is not None and self.margin >= FACT_MARGIN
+
+    @property
+    def fact_note(self) -> str:
+        """Whether the fact counts, and why (for the per-prompt lines)."""
+        if self.margin is None:
+            return "fact not in the full answer"
+        verdict = "counted" if self.has_fact else f"not counted (< {FACT_MARGIN:g})"
+        return f"fact margin {self.margin:.2f} nats, {verdict}"
 
 
 def _captured(engine: HFEngine, tokens: list[int]) -> CapturedKV:
@@ -198,7 +235,7 @@ def build_case(
     """Reference, stores and reuse of one prompt (see the module doc)."""
     pt = parts(tokenizer, p)
     ref = reference(engine, tokenizer, pt.tokens, stop)
-    case = Case(p, pt, ref, p.expected.lower() in ref.text.lower())
+    case = Case(p, pt, ref, fact_margin(tokenizer, p, ref))
     context_kv = _captured(engine, pt.context)
     earlier: tuple[list[int], CapturedKV, list[int]] | None = None
     if p.cached_after:
@@ -322,6 +359,6 @@ def measure(
             row.facts.append(True)
         else:
             text = decode(tokenizer, engine.generate(out, MAX_ANSWER, stop))
-            row.facts.append(case.prompt.expected.lower() in text.lower())
+            row.facts.append(case.prompt.holds(text))
             if not row.facts[-1]:
                 row.lost.append(f"{case.prompt.name}: {text!r}")

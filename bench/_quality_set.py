@@ -1,4 +1,4 @@
-"""The evaluation set of bench/quality.py: 45 prompts in nine kinds, a tuning and a report half.
+"""The evaluation set of bench/quality.py: 61 prompts in ten kinds, a tuning and a report half.
 
 Every prompt is ``context | cached chunk(s) | question``. The context (a conversation so
 far) is an exact-prefix hit; the chunks come from the cache at a new offset; the
@@ -17,12 +17,17 @@ reorder         three look-alike documents, cached in another order (together af
                 system message, or each on its own), reused in a new order
 after_context   one document cached inside an earlier request, after other text
 chat            whole chat messages (``<|im_start|>role ... <|im_end|>``), cached on their own
+multi_doc       two documents, each holding half the answer (the answer must hold both);
+                cached each on its own, or together inside an earlier request in the
+                other order (``_quality_more.py``)
 ==============  ==========================================================================
 
 Within each kind prompts alternate between the halves (``tune``, ``report``; the first
 prompt of every other kind goes to ``report``), so each half has every kind. Policy
 choices are made on the ``tune`` half only; docs/results/quality.md reports the ``report`` half.
-``expected`` is a string the answer must contain to carry the fact (case-insensitive).
+``expected`` (and ``also``) are strings the answer must contain to carry the fact
+(case-insensitive); bench/_quality_eval.py counts a prompt's fact only where the full
+prefill's answer holds it by a clear margin (``FACT_MARGIN``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from _quality_more import AFTER_MORE, JSON_MORE, MULTI_DOC
 from _quality_prompts import CONTEXT_CHAT, CONTEXT_EMAILS, CONTEXT_NOTES, CONTEXT_REPORT
 
 Half = Literal["tune", "report"]
@@ -107,6 +113,17 @@ class EvalPrompt:
     cached_order: tuple[int, ...] = ()
     chat: bool = False
     roles: tuple[str, ...] = ()
+    also: tuple[str, ...] = ()
+    """More strings the answer must hold (a question that needs two documents)."""
+
+    @property
+    def facts(self) -> tuple[str, ...]:
+        """Every string the answer must hold to carry the fact."""
+        return (self.expected, *self.also)
+
+    def holds(self, text: str) -> bool:
+        """Whether ``text`` carries the fact (case-insensitive)."""
+        return all(f.lower() in text.lower() for f in self.facts)
 
 
 def _long(head: str, fact: str, at: int, paragraphs: int) -> str:
@@ -513,7 +530,7 @@ def _build() -> tuple[EvalPrompt, ...]:
         ("similar", _SIMILAR),
         ("long", _LONG),
         ("language", _LANGUAGE),
-        ("json", _JSON),
+        ("json", _JSON + JSON_MORE),
     )
     k = 0
     for kind_index, (kind, rows) in enumerate(simple):
@@ -551,7 +568,7 @@ def _build() -> tuple[EvalPrompt, ...]:
                 cached_order=tuple(order.index(j) for j in range(3)) if i % 2 == 0 else (),
             )
         )
-    for i, (name, chunk, question, expected) in enumerate(_AFTER):
+    for i, (name, chunk, question, expected) in enumerate(_AFTER + AFTER_MORE):
         other = CONTEXTS[(i + 2) % len(CONTEXTS)]
         out.append(
             EvalPrompt(
@@ -578,6 +595,22 @@ def _build() -> tuple[EvalPrompt, ...]:
                 expected,
                 chat=True,
                 roles=roles,
+            )
+        )
+    for i, (name, one, two, question, (fact_one, fact_two)) in enumerate(MULTI_DOC):
+        together = i % 2 == 0  # cached inside an earlier request, in the other order
+        out.append(
+            EvalPrompt(
+                f"multi_{name}",
+                "multi_doc",
+                _half(9, i),
+                CONTEXTS[(i + 3) % len(CONTEXTS)],
+                (one, two),
+                question,
+                fact_one,
+                cached_after=CONTEXTS[(i + 1) % len(CONTEXTS)] if together else "",
+                cached_order=(1, 0) if together else (),
+                also=(fact_two,),
             )
         )
     return tuple(out)

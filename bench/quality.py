@@ -73,6 +73,7 @@ import torch
 from _harness import cache_server
 from _quality_eval import (
     DIALOG_SINK,
+    FACT_MARGIN,
     Case,
     Config,
     Row,
@@ -91,6 +92,7 @@ from nopecache.integrations.hf.adapter import CacheClientSource, HFEngine
 from nopecache.integrations.hf.forward import PrefillOutput
 from nopecache.proto.block import StoredForm
 from nopecache.recompute import policies as rc
+from nopecache.recompute.question import question
 from tests.support.local_model import load_model, load_tokenizer
 
 # The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
@@ -136,6 +138,12 @@ CONFIGS: tuple[Config, ...] = (
     Config(rc.taper(BUDGET), sink="dialog"),
     DEVIATION,
     Config(rc.blend(BUDGET, 0.5), sink="dialog"),
+    Config(question(BUDGET, 0.0), sink="dialog"),
+    Config(question(BUDGET, 0.5), sink="dialog"),
+    Config(question(BUDGET, 0.5, score="attention_v"), sink="dialog"),
+    Config(question(BUDGET, 0.5, heads="max"), sink="dialog"),
+    Config(question(BUDGET, 0.5, check_layer=0), sink="dialog"),
+    Config(question(BUDGET, 0.75), sink="dialog"),
 )
 
 
@@ -285,7 +293,7 @@ def evaluate(
         c = cases[-1]
         progress(
             f"{p.half:6s} {p.name:22s} {len(c.tokens):4d} tokens, chunks "
-            f"{[len(x) for x in c.parts.chunks]}, answer {c.ref.text!r}"
+            f"{[len(x) for x in c.parts.chunks]}, answer {c.ref.text!r}; {c.fact_note}"
         )
     rows = []
     for cfg in configs:
@@ -372,12 +380,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         print()
         print(
             f"{name} half: {len(cases)} prompts, {sum(len(c.ref.answer) for c in cases)} "
-            f"answer tokens, facts in full answers: {sum(c.has_fact for c in cases)}/{len(cases)}"
+            f"answer tokens, facts counted (full answer holds them by >= {FACT_MARGIN:g} nats): "
+            f"{sum(c.has_fact for c in cases)}/{len(cases)}"
         )
         print_table(rows, base)
+        print("facts per prompt (counted only by a clear margin in the full answer):")
         for c in cases:
-            if not c.has_fact:
-                print(f"  (no fact in the full answer: {c.prompt.name}: {c.ref.text!r})")
+            print(f"  {c.prompt.name:22s} {c.fact_note}: {c.ref.text!r}")
     if timing is not None:
         print(
             f"\nspeed: {timing.chunk_tokens}-token chunk in a {timing.prompt_tokens}-token "

@@ -47,7 +47,7 @@ import inspect
 import logging
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +269,12 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | Au
     return token
 
 
+UNCOUNTED_METHODS = frozenset({"WatchRemovals"})
+"""Streams open for a client's whole life (a watch): authenticated and tagged with the
+tenant, but not counted in flight: counted, one would hold a stream slot for good and keep
+every Drain waiting on a call that never ends."""
+
+
 class ClientLimiter:
     """Counts in-flight calls per client and refuses those over the limit."""
 
@@ -322,6 +328,13 @@ class RequestGate(grpc.aio.ServerInterceptor):
         self._anonymous = anonymous
         self.limiter = ClientLimiter(max_streams_per_client)
         self._metrics = metrics
+        # Tenant name -> quota set at run time (Admin.SetQuota); replaces the configured one.
+        self.quota_overrides: dict[str, int] = {}
+
+    def current(self, tenant: Tenant) -> Tenant:
+        """``tenant`` as it is now: with the quota set at run time, if any."""
+        quota = self.quota_overrides.get(tenant.name)
+        return tenant if quota is None else replace(tenant, quota_bytes=quota)
 
     @property
     def tenants(self) -> tuple[Tenant, ...]:
@@ -340,7 +353,7 @@ class RequestGate(grpc.aio.ServerInterceptor):
             return handler
         method = details.method[len(self._prefix) :]
         if self._tokens is None:
-            return self._admitting(handler, method, self._anonymous)
+            return self._admitting(handler, method, self.current(self._anonymous))
         token = bearer_token(details.invocation_metadata)
         if isinstance(token, AuthFailure):
             return self._refusing(handler, method, token)
@@ -349,7 +362,7 @@ class RequestGate(grpc.aio.ServerInterceptor):
             return self._refusing(
                 handler, method, AuthFailure("invalid", "authorization: invalid token")
             )
-        return self._admitting(handler, method, tenant)
+        return self._admitting(handler, method, self.current(tenant))
 
     def _refusing(self, handler: Handler, method: str, failure: AuthFailure) -> Handler:
         self._metrics.auth_failure(failure.reason)
@@ -396,6 +409,11 @@ class RequestGate(grpc.aio.ServerInterceptor):
                 limiter.release(client)
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if method in UNCOUNTED_METHODS:
+                CURRENT_TENANT.set(tenant)
+                async for message in inner(request, context):
+                    yield message
+                return
             client = await enter(context)
             try:
                 messages = inner(request, context)

@@ -195,6 +195,32 @@ class ServerConfig:
             "byte quota of every tenant (0: none); a TOML tokens file may set one per tenant",
         ),
     )
+    admin_tokens_file: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "bearer tokens of the admin role (nopecache-admin: flush all, quotas, drain), one "
+            "per line; any admin token locks the Admin service to tokens",
+            "FILE",
+        ),
+    )
+    # Secret, like auth_tokens.
+    admin_tokens: str = field(
+        default="",
+        repr=False,
+        metadata=_opt(
+            _STR,
+            "admin bearer tokens inline, separated by ';' or newlines (prefer the environment "
+            "variable or the file: flags show in ps)",
+            "SPEC",
+        ),
+    )
+    pin_max_ttl_s: float = field(
+        default=86400.0,
+        metadata=_opt(
+            _FLOAT, "the longest a soft pin lasts; longer TTLs asked for are cut to it", "SECONDS"
+        ),
+    )
     max_streams_per_client: int = field(
         default=256,
         metadata=_opt(
@@ -239,7 +265,33 @@ class ServerConfig:
     max_concurrent_rpcs: int = field(
         default=1024,
         metadata=_opt(
-            _INT, "most RPCs the server serves at once, all clients together; more are refused"
+            _INT,
+            "RPCs the server serves at once, all clients together; past it a client is "
+            "admitted only within its fair share (this / clients holding calls)",
+        ),
+    )
+    max_probe_calls_per_peer: int = field(
+        default=8,
+        metadata=_opt(
+            _INT,
+            "calls without a token (health, reflection) one address may have in flight",
+        ),
+    )
+    connection_idle_timeout_s: float = field(
+        default=60.0,
+        metadata=_opt(
+            _FLOAT,
+            "a gRPC connection with no call in flight this long is closed (clients "
+            "reconnect on their next call)",
+            "SECONDS",
+        ),
+    )
+    handshake_timeout_s: float = field(
+        default=5.0,
+        metadata=_opt(
+            _FLOAT,
+            "a connection that has not finished its TLS/HTTP2 handshake this long is closed",
+            "SECONDS",
         ),
     )
 
@@ -272,6 +324,8 @@ class ServerConfig:
             raise ConfigError(
                 f"max_keys_per_request: must be positive, got {self.max_keys_per_request}"
             )
+        if self.pin_max_ttl_s <= 0:
+            raise ConfigError(f"pin_max_ttl_s: must be > 0, got {self.pin_max_ttl_s}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
         if self.log_level.upper() not in _LOG_LEVELS:
@@ -302,6 +356,14 @@ class ServerConfig:
             raise ConfigError(f"max_connections: must be >= 1, got {self.max_connections}")
         if self.max_concurrent_rpcs < 1:
             raise ConfigError(f"max_concurrent_rpcs: must be >= 1, got {self.max_concurrent_rpcs}")
+        if self.max_probe_calls_per_peer < 1:
+            raise ConfigError(
+                f"max_probe_calls_per_peer: must be >= 1, got {self.max_probe_calls_per_peer}"
+            )
+        for name in ("connection_idle_timeout_s", "handshake_timeout_s"):
+            value = getattr(self, name)
+            if not 0.001 <= value <= 86400:
+                raise ConfigError(f"{name}: must be in [0.001, 86400] seconds, got {value}")
         if self.max_streams_per_client < 1:
             raise ConfigError(
                 f"max_streams_per_client: must be >= 1, got {self.max_streams_per_client}"
@@ -316,6 +378,11 @@ class ServerConfig:
     def tls_enabled(self) -> bool:
         """Whether the gRPC port speaks TLS."""
         return bool(self.tls_cert_file)
+
+    @property
+    def admin_auth_enabled(self) -> bool:
+        """Whether the Admin service needs an admin or tenant token (admin tokens set)."""
+        return bool(self.admin_tokens_file or self.admin_tokens)
 
     @property
     def auth_enabled(self) -> bool:

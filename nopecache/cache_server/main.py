@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lack aio
 from grpc_reflection.v1alpha import reflection
 
+from nopecache.cache_server.admin_service import AdminService, add_admin_to_server
 from nopecache.cache_server.auth import RequestGate, load_token_table
 from nopecache.cache_server.config import (
     ConfigError,
@@ -42,7 +43,11 @@ from nopecache.cache_server.config import (
     flag_name,
     load_config,
 )
+from nopecache.cache_server.limits import connection_options
 from nopecache.cache_server.metrics import MetricsEndpoint, ServerMetrics
+from nopecache.cache_server.pins import PinTable
+from nopecache.cache_server.principals import CallLimiter, transport_rpc_cap
+from nopecache.cache_server.roles import ADMIN_SERVICE_NAME, AdminGate, load_admin_tokens
 from nopecache.cache_server.service import (
     SERVICE_NAME,
     ContextResolver,
@@ -85,6 +90,8 @@ class RunningServer:
     health: health_aio.HealthServicer
     metrics_endpoint: MetricsEndpoint | None
     gate: RequestGate
+    pins: PinTable
+    calls: CallLimiter | None = None
     tls: bool = False
     _monitor: asyncio.Task[None] | None = field(default=None, repr=False)
     _stopped: bool = False
@@ -100,7 +107,9 @@ class RunningServer:
             return
         self._stopped = True
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        await self.health.enter_graceful_shutdown()
+        # Drain first: readiness off, new Puts refused UNAVAILABLE (clients go elsewhere);
+        # then gRPC stops accepting calls and gives those in flight the grace.
+        await self.drain()
         await self.server.stop(grace)
         if self.service.bulk is not None:
             await self.service.bulk.close()
@@ -114,6 +123,17 @@ class RunningServer:
             if self.metrics_endpoint is not None:
                 # The exporter's shutdown waits up to its 0.5 s poll; keep it off the loop.
                 await asyncio.to_thread(self.metrics_endpoint.close)
+
+    async def drain(self) -> None:
+        """Leave rotation: readiness NOT_SERVING (for good), new Puts refused UNAVAILABLE."""
+        self.service.puts.draining = True
+        await self.health.enter_graceful_shutdown()
+
+    async def sweep_pins(self) -> None:
+        """End the soft pins whose TTL ran out (their Redis copies expire again)."""
+        expired = self.pins.expired()
+        if expired:
+            await self.store.hold(expired, False)
 
     async def refresh_tiers(self) -> None:
         """Read tier statistics once: update the gauges and the health statuses."""
@@ -134,6 +154,7 @@ class RunningServer:
         while True:
             await asyncio.sleep(interval_s)
             try:
+                await self.sweep_pins()
                 await self.refresh_tiers()
             except Exception:  # a failed probe must not end monitoring; the tier says why
                 log.exception("tier statistics refresh failed")
@@ -163,6 +184,7 @@ async def start_server(
     """
     # Read the secrets and certificates first: a bad file fails before anything starts.
     tokens = load_token_table(config)
+    admins = load_admin_tokens(config, tokens)
     tls = load_server_tls(config)
     if credentials is None and tls is not None:
         credentials = tls.credentials()
@@ -178,6 +200,7 @@ async def start_server(
         max_streams_per_client=config.max_streams_per_client,
         metrics=metrics,
     )
+    admin_gate = AdminGate(admins=admins, tenants=tokens, current=gate.current)
     for tenant in gate.tenants:
         if tenant.quota_bytes:
             metrics.tenant_usage(tenant.name, 0, tenant.quota_bytes)
@@ -188,27 +211,47 @@ async def start_server(
         verify=BlockVerifier(config.max_block_bytes).check_stored,
         max_blob_bytes=config.max_block_bytes,
     )
+    pins = PinTable(config.pin_max_ttl_s)
+    store.keep(pins)
     endpoint: MetricsEndpoint | None = None
     try:
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
+        service.pins = pins
+        calls = CallLimiter(
+            SERVICE_NAME,
+            tokens=tokens,
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
+            max_probe_calls_per_peer=config.max_probe_calls_per_peer,
+            metrics=metrics,
+        )
         server = grpc.aio.server(
-            interceptors=[gate, *interceptors],
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            interceptors=[calls, gate, admin_gate, *interceptors],
+            # Past what CallLimiter admits: its refusals name the option and spare the
+            # clients under their share, gRPC's would refuse everyone alike.
+            maximum_concurrent_rpcs=transport_rpc_cap(config.max_concurrent_rpcs),
             options=[
                 *config.grpc_options,
                 # Fail loudly if another process holds the port instead of sharing it.
                 ("grpc.so_reuseport", 0),
-                # Connections past the cap are closed as they arrive (each one costs
-                # transport buffers even while idle).
-                ("grpc.max_allowed_incoming_connections", config.max_connections),
+                *connection_options(config),
             ],
         )
         add_to_server(service, server)
         health_servicer = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        admin = AdminService(
+            store,
+            service,
+            gate,
+            pins,
+            metrics,
+            on_drain=health_servicer.enter_graceful_shutdown,
+        )
+        add_admin_to_server(admin, server)
         reflection.enable_server_reflection(
             [
                 SERVICE_NAME,
+                ADMIN_SERVICE_NAME,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ],
@@ -259,6 +302,8 @@ async def start_server(
         health=health_servicer,
         metrics_endpoint=endpoint,
         gate=gate,
+        pins=pins,
+        calls=calls,
         tls=credentials is not None,
     )
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

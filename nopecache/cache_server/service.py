@@ -73,7 +73,9 @@ from nopecache.cache_server.codes import STATUS, put_reply
 from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
+from nopecache.cache_server.pins import PinTable
 from nopecache.cache_server.refusal import Refusal, bad_request
+from nopecache.cache_server.removals import RemovalFeed
 from nopecache.cache_server.shm import ShmSessions
 from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tenants import QuotaLedger, Tenant, own_stats
@@ -134,6 +136,9 @@ class KVCacheService:
         self._resolve = resolve_context
         self.quotas = quotas if quotas is not None else QuotaLedger(unit_bytes=store.page_bytes)
         store.drop_listeners.append(self._on_dropped)
+        # Keys that left the cache, for WatchRemovals (removals.py).
+        self.removals = RemovalFeed()
+        store.drop_listeners.append(self.removals.gone)
         self.verifier = BlockVerifier(config.max_block_bytes)
         self.inflight = InflightBudget(
             config.max_inflight_bytes,
@@ -151,6 +156,8 @@ class KVCacheService:
         self._codes.update({name: i + 1 for i, name in enumerate(self._tier_names)})
         # The transfer rules both transports speak (transfer_put.py, transfer_get.py).
         self.puts = PutRules(store, config, metrics, self.quotas, self.verifier)
+        # The server's pins (Admin.Pin); a deleted block loses its pin.
+        self.pins: PinTable | None = None
         self.gets = GetRules(store, config, metrics, self._codes, self.inflight.share_bytes)
         self._info = pb.ServerInfo(
             version=server_version(),
@@ -217,9 +224,15 @@ class KVCacheService:
         with self._metrics.latency["Put"].time():
             tenant = self._resolve(context).tenant
             lease = self._lease(context, tenant)
-            intake = self.puts.intake(tenant, lease, FRAME_WORDING)
             try:
-                async for raw in lease.paced(request_iterator):
+                intake = self.puts.intake(tenant, lease, FRAME_WORDING)
+                most = self._config.max_message_bytes
+
+                def credit() -> int:  # a frame of an open block comes on its reservation
+                    return 0 if intake.partial is not None else most
+
+                frames = lease.paced(request_iterator, credit, "PutFrame: the next frame")
+                async for raw in frames:
                     try:
                         key, size, data = decode_put_frame(raw)
                     except WireError as e:
@@ -264,10 +277,16 @@ class KVCacheService:
     def _lease(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> Lease:
         """The in-flight lease of one call: its tenant's share with auth, else its
         connection's; given back when the call ends, however it ends."""
-        lease = self.inflight.lease(tenant.name if tenant.namespace else context.peer())
+        lease = self.inflight.lease(self._owner(context, tenant))
         # The stubs type the callback as a class; any callable taking the context works.
         context.add_done_callback(lease.on_done)  # type: ignore[arg-type]
         return lease
+
+    @staticmethod
+    def _owner(context: grpc.aio.ServicerContext, tenant: Tenant) -> str:
+        """Whom a call's shares are counted against: its tenant with auth, else its
+        connection (a bulk connection counts against the gRPC one that asked for it)."""
+        return tenant.name if tenant.namespace else context.peer()
 
     async def _get_frames(
         self,
@@ -352,6 +371,7 @@ class KVCacheService:
             inflight=self.inflight,
             puts=self.puts,
             gets=self.gets,
+            config=self._config,
         )
         return self.bulk
 
@@ -366,8 +386,32 @@ class KVCacheService:
             await self._abort(context, "OpenBulk", r)
         if self.bulk is None:
             return pb.OpenBulkReply(refused="this server offers no bulk stream (TLS or off)")
-        port, ticket = await self.bulk.ticket(tenant)
+        issued = await self.bulk.ticket(tenant, self._owner(context, tenant))
+        if isinstance(issued, str):
+            return pb.OpenBulkReply(refused=issued)
+        port, ticket = issued
         return pb.OpenBulkReply(port=port, ticket=ticket, ticket_ttl_ms=int(TICKET_TTL_S * 1000))
+
+    async def WatchRemovals(
+        self,
+        request: pb.WatchRemovalsRequest | MalformedRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.RemovalEvent]:
+        """The caller's keys that leave the cache, as they go (removals.py); first an empty
+        event: the watch is open."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+        except Refusal as r:
+            await self._abort(context, "WatchRemovals", r)
+        watcher = self.removals.watch(tenant.namespace)
+        try:
+            yield pb.RemovalEvent()
+            while True:
+                event = await watcher.next()
+                yield pb.RemovalEvent(keys=event.keys, cleared=event.cleared, lost=event.lost)
+        finally:
+            self.removals.unwatch(watcher)
 
     async def Delete(
         self, request: pb.DeleteRequest | MalformedRequest, context: grpc.aio.ServicerContext
@@ -382,6 +426,9 @@ class KVCacheService:
             except Refusal as r:
                 await self._abort(context, "Delete", r)
             deleted = await self._store.delete(keys)
+            self.removals.gone(keys)
+            if self.pins is not None:
+                self.pins.unpin(keys)
             self.quotas.release(tenant, keys)
             if tenant.quota_bytes:
                 used = self.quotas.used_bytes(tenant)
@@ -460,6 +507,11 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
             service.OpenBulk,
             request_deserializer=lenient_parser(pb.OpenBulkRequest),
             response_serializer=pb.OpenBulkReply.SerializeToString,
+        ),
+        "WatchRemovals": grpc.unary_stream_rpc_method_handler(
+            service.WatchRemovals,
+            request_deserializer=lenient_parser(pb.WatchRemovalsRequest),
+            response_serializer=pb.RemovalEvent.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -50,7 +50,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
 from nopecache.cache_server.tiers import Tier, TierConfigError, TierName, TierStats, tier_from_url
-from nopecache.cache_server.tiers.base import BlobLike, Evicted, PutStatus, check_key
+from nopecache.cache_server.tiers.base import BlobLike, Evicted, KeepSet, PutStatus, check_key
 
 __all__ = [
     "NULL_OBSERVER",
@@ -75,6 +75,8 @@ class PutOutcome(enum.Enum):
     ALREADY_PRESENT = "already_present"
     # Every tier that could hold the blob is unreachable (only Redis can be): not stored.
     UNAVAILABLE = "unavailable"
+    # The tiers that could hold the blob are full of pinned blocks: not stored.
+    FULL = "full"
 
 
 class BlobTooLargeError(ValueError):
@@ -325,13 +327,15 @@ class TieredStore:
             raise BlobTooLargeError(size, self.max_blob_bytes)
         last = len(self._tiers) - 1
         status = PutStatus.UNAVAILABLE
+        full = False
         level = self._next_fitting(-1, size)
         while level is not None:
             result = await self._tiers[level].put(key, blob, keep_evicted=self._demotes_from(level))
             self._note_health(level)
             await self._demote(level, result.evicted)
             status = result.status
-            if status is not PutStatus.UNAVAILABLE:
+            full = full or status is PutStatus.FULL
+            if status not in (PutStatus.UNAVAILABLE, PutStatus.FULL):
                 break
             level = self._next_fitting(level, size)
         # Only a newly stored block is written through: one the fast tier already held
@@ -344,7 +348,7 @@ class TieredStore:
             return PutOutcome.STORED
         if status is PutStatus.ALREADY_PRESENT:
             return PutOutcome.ALREADY_PRESENT
-        return PutOutcome.UNAVAILABLE
+        return PutOutcome.FULL if full else PutOutcome.UNAVAILABLE
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Remove ``keys`` from every tier; how many distinct keys were present anywhere."""
@@ -358,6 +362,47 @@ class TieredStore:
             self._note_health(level)
             removed = [a or b for a, b in zip(removed, flags, strict=True)]
         return sum(removed)
+
+    def keep(self, keys: KeepSet) -> None:
+        """Never evict (memory tiers) nor expire (Redis) the keys ``keys`` holds (pins)."""
+        for tier in self._tiers:
+            tier.keep = keys
+
+    async def hold(self, keys: Sequence[bytes], held: bool) -> None:
+        """Take (``held``) or give back the TTL of ``keys`` in the tiers that expire keys."""
+        for level, tier in enumerate(self._tiers):
+            await tier.hold(keys, held)
+            self._note_health(level)
+
+    async def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's blob size in the fastest tier holding it (None: nowhere); a query:
+        no recency change, no promotion (a blob below the memory tiers is read to learn it)."""
+        from nopecache.cache_server.tiers.cpu import PagedTier  # the page-pool tiers' base
+
+        out: list[int | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for level, tier in enumerate(self._tiers):
+            if not pending:
+                break
+            if isinstance(tier, PagedTier):
+                found = [tier.placement(keys[i]) for i in pending]
+                sizes = [p.size if p is not None else None for p in found]
+            else:
+                blobs = await tier.get_many([keys[i] for i in pending])
+                self._note_health(level)
+                sizes = [len(b) if b is not None else None for b in blobs]
+            for i, size in zip(pending, sizes, strict=True):
+                out[i] = size
+            pending = [i for i in pending if out[i] is None]
+        return out
+
+    async def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
+        """Every distinct stored key starting with ``prefix``, in any tier."""
+        seen: dict[bytes, None] = {}
+        for level, tier in enumerate(self._tiers):
+            seen.update(dict.fromkeys(await tier.keys_with_prefix(prefix)))
+            self._note_health(level)
+        return list(seen)
 
     async def stats(self) -> list[TierStats]:
         """One snapshot per tier, fastest first (probes Redis health)."""

@@ -71,6 +71,8 @@ class GetRules:
         self._codes = codes
         # A window of the largest blocks must fit the client's in-flight share.
         self._most = max(1, min(GET_WINDOW_KEYS, share_bytes // config.max_block_bytes))
+        # Tenant name -> [keys found, keys missed] by Gets since start (Admin.AdminStats).
+        self.tally: dict[str, list[int]] = {}
 
     def check_count(self, count: int, field: str, noun: str = "keys") -> None:
         """Raise Refusal (OVER_LIMIT) when ``count`` keys are more than one request may name."""
@@ -117,7 +119,7 @@ class GetRules:
             start += len(found)
             if sent:
                 window = max(1, min(self._most, GET_WINDOW_BYTES * hits // sent))
-        self._count(tenant, sent)
+        self._count(tenant, sent, hits, len(keys) - hits)
 
     async def into(
         self, tenant: Tenant, keys: Sequence[bytes], lease: Lease, buffer: SendBuffer
@@ -125,7 +127,7 @@ class GetRules:
         """(tier code, size) per key, its bytes in ``buffer.data[:size]`` (0, 0 for a
         miss) until the next entry is asked for; each block reserved in ``lease`` while
         it is taken. Raises Refusal."""
-        sent = 0
+        sent = hits = 0
         for key in keys:
             found = await self._store.get_into(key, memoryview(buffer.data))
             if found is not None and found[0] > len(buffer.data):
@@ -143,8 +145,12 @@ class GetRules:
             yield self._codes[tier], size
             lease.release()
             sent += size
-        self._count(tenant, sent)
+            hits += 1
+        self._count(tenant, sent, hits, len(keys) - hits)
 
-    def _count(self, tenant: Tenant, sent: int) -> None:
+    def _count(self, tenant: Tenant, sent: int, hits: int, misses: int) -> None:
         self._metrics.get_bytes(sent)
         self._metrics.tenant_get_bytes(tenant.name, sent)
+        tally = self.tally.setdefault(tenant.name, [0, 0])
+        tally[0] += hits
+        tally[1] += misses

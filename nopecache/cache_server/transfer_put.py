@@ -161,9 +161,20 @@ class PutRules:
         self.metrics = metrics
         self.quotas = quotas
         self.verifier = verifier
+        # Set by a drain (Admin.Drain, SIGTERM): every new Put is refused (TIER_DOWN, which
+        # is UNAVAILABLE on the wire: clients mark this server down and store elsewhere).
+        self.draining = False
 
     def intake(self, tenant: Tenant, lease: Lease, wording: PutWording) -> PutIntake:
-        """A new Put of ``tenant``, its blocks reserved in ``lease``."""
+        """A new Put of ``tenant``, its blocks reserved in ``lease``; raises Refusal
+        (TIER_DOWN) while the server drains."""
+        if self.draining:
+            self.count_rejected(tenant, "draining")
+            raise Refusal(
+                RefusalKind.TIER_DOWN,
+                "draining",
+                "server: draining (leaving rotation), it admits no new Put; store elsewhere",
+            )
         return PutIntake(self, tenant, lease, wording)
 
     def count_rejected(self, tenant: Tenant, reason: str, blocks: int = 1) -> None:
@@ -199,7 +210,8 @@ class PutIntake:
 
     async def open_block(self, key: bytes, size: int) -> int:
         """Admit the next block (its key and announced size) and reserve its bytes in the
-        lease (waiting for room); its position. Raises Refusal past a limit."""
+        lease (waiting for room; the read credit its first frame came on counts); its
+        position. Raises Refusal past a limit."""
         config = self._rules.config
         words = self._wording
         position = len(self.results)
@@ -229,8 +241,9 @@ class PutIntake:
                 ),
             )
         # Whole blocks, not frames: streams holding parts of blocks could fill the budget
-        # with none of them able to finish one.
-        await self._lease.reserve(size, words.block.format(position=position))
+        # with none of them able to finish one. A stream that then sends nothing loses
+        # the room when others need it (InflightBudget.reclaim_idle).
+        await self._lease.reserve_block(size, words.block.format(position=position))
         self.results.append(BlockResult(key))
         if position % YIELD_EVERY_BLOCKS == YIELD_EVERY_BLOCKS - 1:
             await asyncio.sleep(0)  # many tiny blocks must not hold the loop
@@ -300,6 +313,7 @@ class PutIntake:
             if n % YIELD_EVERY_BLOCKS == 0:
                 await asyncio.sleep(0)
             stored_key = tenant.stored_key(key)
+            charged_before = quotas.charged(tenant, stored_key)
             admitted = quotas.admit(tenant, stored_key, len(blob))
             if not admitted and not reconciled:
                 # The ledger over-counts what tiers evicted meanwhile: recount, once.
@@ -310,7 +324,7 @@ class PutIntake:
                 rules.count_rejected(tenant, "over_quota")
                 self._refuse(position, self._over_quota(position, len(blob)))
                 continue
-            await self._store(position, key, stored_key, blob)
+            await self._store(position, key, stored_key, blob, charged_before)
             stored_bytes += len(blob)
         if quotas.sweep_due(tenant):
             await quotas.sweep(tenant, lookup)
@@ -336,11 +350,18 @@ class PutIntake:
         self.results[position].refusal = refusal
 
     async def _store(
-        self, position: int, key: bytes, stored_key: bytes, blob: memoryview | bytes
+        self,
+        position: int,
+        key: bytes,
+        stored_key: bytes,
+        blob: memoryview | bytes,
+        charged_before: int | None = None,
     ) -> None:
         """Store one validated block (client ``key``) under ``stored_key``.
 
-        The block's quota charge (taken by the caller) is given back when it was not stored.
+        The block's quota charge (taken by the caller) is given back when it was not
+        stored, and put back to ``charged_before`` (what the key was charged before) when
+        the key already held a block: that block stays, and it is what the tenant holds.
         """
         rules, tenant = self._rules, self.tenant
         try:
@@ -349,6 +370,17 @@ class PutIntake:
             rules.quotas.release(tenant, (stored_key,))
             rules.count_rejected(tenant, "no_tier_fits")
             self._refuse(position, over_limit("no_tier_fits", str(e)))
+            return
+        if outcome is PutOutcome.FULL:
+            rules.quotas.release(tenant, (stored_key,))
+            rules.count_rejected(tenant, "pinned_full")
+            self._refuse(
+                position,
+                over_limit(
+                    "pinned_full",
+                    "tiers: every tier that can hold this block is full of pinned blocks",
+                ),
+            )
             return
         if outcome is PutOutcome.UNAVAILABLE:
             rules.quotas.release(tenant, (stored_key,))
@@ -362,5 +394,7 @@ class PutIntake:
                 ),
             )
             return
+        if outcome is PutOutcome.ALREADY_PRESENT and charged_before is not None:
+            rules.quotas.settle(tenant, stored_key, charged_before)
         rules.metrics.put_outcome(outcome.value)
         self.results[position].outcome = outcome

@@ -326,17 +326,21 @@ class AsyncCacheClient:
     ) -> FetchResult:
         """Fetch the plan's blocks, verify each against ``tokens``, and place it.
 
-        With ``into`` the KV lands in the engine's paged cache; without, in new contiguous
-        tensors (see FetchResult). A block that is missing or fails verification is a
+        With ``into`` the KV lands in the engine's paged cache (a hit whose positions all
+        have slot -1 there is not fetched); without, in new contiguous tensors (see
+        FetchResult). A block that is missing or fails verification is a
         miss (in ``failed``), never an exception.
         """
         self._in_loop()
         arr = self._check_fetch(plan, tokens, into)
-        return await self._download(plan).place(arr, into)
+        return await self._download(plan, into).place(arr, into)
 
-    def _download(self, plan: ReusePlan) -> Download:
-        """Start the Get streams of ``plan`` (on the running loop)."""
-        return Download(plan, self.ring, self._connections, self._placer, self._worker, self._pool)
+    def _download(self, plan: ReusePlan, into: PagedKV | None = None) -> Download:
+        """Start the Get streams of ``plan`` (on the running loop); with ``into``, of the
+        hits that land in it only."""
+        return Download(
+            plan, self.ring, self._connections, self._placer, self._worker, self._pool, into
+        )
 
     def _check_fetch(self, plan: ReusePlan, tokens: TokenIds, into: PagedKV | None) -> TokenArray:
         return check_fetch(plan, tokens, into, self.fingerprint, self.v_head_dim)

@@ -181,6 +181,9 @@ class ContentChunker:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(name, f"must be a positive int, got {value!r}")
+        if self.avg_size < 2:
+            # One token per chunk on average is a cut after every token: no chunking.
+            raise InvalidArgumentError("avg_size", f"must be at least 2, got {self.avg_size}")
         if self.min_size > self.avg_size:
             raise InvalidArgumentError(
                 "min_size", f"{self.min_size} exceeds avg_size {self.avg_size}"

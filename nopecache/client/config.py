@@ -133,6 +133,27 @@ def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
     return number
 
 
+# Sane ranges of the time settings: a deadline under a millisecond misses every call, one
+# over a day never ends a hung call, and a value past these overflows the clocks and
+# timers it is added to (``time.monotonic() + 1e300`` is a server down forever).
+TIMEOUT_RANGE_S = (1e-3, 86400.0)
+BACKOFF_RANGE_S = (1e-6, 3600.0)
+DOWN_BACKOFF_RANGE_S = (0.0, 3600.0)
+DNS_INTERVAL_RANGE_S = (0.0, 86400.0)
+BACKOFF_MULTIPLIER_RANGE = (1e-3, 100.0)
+THROTTLE_RATIO_RANGE = (1e-3, 1000.0)
+
+
+def _number_in(name: str, value: object, bounds: tuple[float, float]) -> float:
+    """``value`` as a float inside ``bounds`` (inclusive), else InvalidArgumentError naming
+    ``name``; 0 is allowed only when the lower bound is 0."""
+    number = _positive(name, value, allow_zero=bounds[0] == 0)
+    low, high = bounds
+    if not low <= number <= high:
+        raise InvalidArgumentError(name, f"must be in [{low:g}, {high:g}], got {value}")
+    return number
+
+
 def _int_in(name: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(name, f"must be an int, got {value!r}")
@@ -223,8 +244,13 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         _int_in("retry.max_attempts", self.max_attempts, 1, _GRPC_MAX_ATTEMPTS)
-        for name in ("initial_backoff_s", "max_backoff_s", "backoff_multiplier"):
-            object.__setattr__(self, name, _positive(f"retry.{name}", getattr(self, name)))
+        for name, bounds in (
+            ("initial_backoff_s", BACKOFF_RANGE_S),
+            ("max_backoff_s", BACKOFF_RANGE_S),
+            ("backoff_multiplier", BACKOFF_MULTIPLIER_RANGE),
+        ):
+            value = _number_in(f"retry.{name}", getattr(self, name), bounds)
+            object.__setattr__(self, name, value)
         if self.max_backoff_s < self.initial_backoff_s:
             raise InvalidArgumentError(
                 "retry.max_backoff_s",
@@ -250,7 +276,9 @@ class RetryPolicy:
         object.__setattr__(
             self,
             "throttle_token_ratio",
-            _positive("retry.throttle_token_ratio", self.throttle_token_ratio),
+            _number_in(
+                "retry.throttle_token_ratio", self.throttle_token_ratio, THROTTLE_RATIO_RANGE
+            ),
         )
 
     @property
@@ -382,9 +410,13 @@ class ClientConfig:
             "control_timeout_s",
             "connect_timeout_s",
         ):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
-        for name in ("down_backoff_s", "dns_refresh_s", "dns_min_interval_s"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name), allow_zero=True))
+            object.__setattr__(self, name, _number_in(name, getattr(self, name), TIMEOUT_RANGE_S))
+        for name, bounds in (
+            ("down_backoff_s", DOWN_BACKOFF_RANGE_S),
+            ("dns_refresh_s", DNS_INTERVAL_RANGE_S),
+            ("dns_min_interval_s", DNS_INTERVAL_RANGE_S),
+        ):
+            object.__setattr__(self, name, _number_in(name, getattr(self, name), bounds))
         if self.discover not in _DISCOVER_MODES:
             raise InvalidArgumentError(
                 "discover", f"must be one of {_DISCOVER_MODES}, got {self.discover!r}"

@@ -60,7 +60,8 @@ Outputs = tuple[torch.Tensor, torch.Tensor | None]
 class FetchResult:
     """What a fetch placed; with ``into=None`` also the K/V it placed them in.
 
-    ``mask[i]`` is True when prompt position i got cached KV. Without a paged target,
+    ``mask[i]`` is True when prompt position i got cached KV (with ``into``: a position
+    whose slot is -1 never does). Without a paged target,
     ``k``/``v`` are ``[layers, num_tokens, kv_heads, head_dim]``, K rotated to the target
     positions (post-RoPE), zeros where ``mask`` is False. ``ready``: for CUDA caches, an
     event recorded on ``into.stream`` after the last copy and kernel of the fetch (the
@@ -184,6 +185,11 @@ def _by_target(hit: Hit) -> int:
     return hit.target.start
 
 
+def _lands(hit: Hit, into: PagedKV) -> bool:
+    """Whether any position of ``hit`` has a slot in ``into`` (else fetching it is waste)."""
+    return bool((into.slots_host[hit.target.start : hit.target.end] >= 0).any())
+
+
 class Download:
     """The Get streams of one plan, one per owner server; blocks queue up as they arrive.
 
@@ -200,9 +206,12 @@ class Download:
         placer: BlockPlacer,
         worker: concurrent.futures.Executor,
         pool: BufferPool,
+        into: PagedKV | None = None,
     ) -> None:
         """Start the Get streams of ``plan``'s blocks (on the running loop); placed blocks'
-        buffers go back to ``pool``."""
+        buffers go back to ``pool``. With ``into`` (known up front), a hit none of whose
+        positions has a slot there is not fetched (the engine holds those positions): it
+        is neither placed nor failed."""
         self.plan = plan
         self.ring = ring
         self.connections = connections
@@ -212,6 +221,8 @@ class Download:
         self.start = time.perf_counter()
         self.by_key: dict[bytes, list[Hit]] = {}
         for hit in plan.blocks:
+            if into is not None and not _lands(hit, into):
+                continue
             self.by_key.setdefault(hit.key.value, []).append(hit)
         self.queue: asyncio.Queue[tuple[list[Hit], memoryview | None] | None] = asyncio.Queue()
         self.consumed = False
@@ -292,6 +303,8 @@ class Download:
         mask = torch.zeros(self.plan.num_tokens, dtype=torch.bool)
         for hit in placed:
             mask[hit.target.start : hit.target.end] = True
+        if into is not None:
+            mask &= torch.from_numpy(into.slots_host >= 0)  # slot -1: nothing written there
         result = FetchResult(
             self.plan,
             tuple(placed),

@@ -13,11 +13,13 @@ three forms (``StoredForm``). A hit uses the block's ``source`` tokens for the p
 Every case reads each element of the block once and writes it once into its destination:
 no temporary copies. Two destinations:
 
-* :class:`PagedKV`: the engine's paged cache (vLLM layout, one tensor per layer
-  ``[num_blocks, block_size, kv_heads, head_dim]``) and a slot for every prompt position.
-  NOPE blocks go through the fused ``rerope_scatter_layers`` kernel; ROPE blocks rotate
-  straight into the cache rows when their slots are one consecutive run, else through a
-  small per-layer buffer and one ``index_copy_``.
+* :class:`PagedKV`: the engine's paged cache (per layer a ``[num_blocks, block_size,
+  kv_heads, head_dim]`` tensor for K and one for V: contiguous caches, or strided views of
+  an engine's own page layout off CUDA) and a slot for every prompt position, ``-1`` for
+  a position not to write (one the engine holds already). Every form goes through the
+  fused ``rerope_scatter_layers`` kernel API (Triton on CUDA, torch elsewhere): NOPE K is
+  rotated to the target, ROPE K copied at its own positions or rotated once by the
+  difference. A hit none of whose positions has a slot is not fetched at all.
 * contiguous tensors ``[layers, prompt_tokens, kv_heads, head_dim]`` (``place_contiguous``):
   ``rotate`` writes into the target rows with ``out=``.
 
@@ -79,8 +81,8 @@ def _check_cache(name: str, cache: object, like: torch.Tensor | None) -> torch.T
             name,
             f"must be 4-D [num_blocks, block_size, kv_heads, head_dim], got {list(cache.shape)}",
         )
-    if not cache.is_contiguous():
-        raise InvalidArgumentError(name, "must be contiguous")
+    if cache.device.type == "cuda" and not cache.is_contiguous():
+        raise InvalidArgumentError(name, "must be contiguous on CUDA (the kernel's row layout)")
     if like is not None and (cache.dtype != like.dtype or cache.device != like.device):
         raise InvalidArgumentError(
             name,
@@ -90,13 +92,25 @@ def _check_cache(name: str, cache: object, like: torch.Tensor | None) -> torch.T
     return cache
 
 
+def _check_strides(name: str, cache: torch.Tensor, like: torch.Tensor) -> None:
+    # One layout for every layer: the kernel addresses all layers with one set of strides.
+    if cache.stride() != like.stride():
+        raise InvalidArgumentError(
+            name,
+            f"strides {list(cache.stride())} differ from the first cache's "
+            f"{list(like.stride())} (one layout for every layer)",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class PagedKV:
     """An engine's paged KV cache and where each prompt position goes in it.
 
     ``k_caches[l]`` / ``v_caches[l]``: layer ``l``'s cache ``[num_blocks, block_size,
-    kv_heads, head_dim]`` (vLLM layout; slot ``s`` is row ``s`` of the flattened first two
-    dims). ``v_caches`` is None for MLA (the latent holds everything). ``slot_mapping``:
+    kv_heads, head_dim]``; slot ``s`` is ``[s // block_size, s % block_size]``. On CUDA
+    each is contiguous (vLLM FlashAttention's ``cache[0]`` / ``cache[1]``); elsewhere any
+    strided view of one shape and strides per layer (vLLM's CPU pages, read through
+    ``nopecache.integrations.vllm.layout``). ``v_caches`` is None for MLA (the latent holds everything). ``slot_mapping``:
     int64 ``[prompt_tokens]``, the slot of every prompt position, ``-1`` to skip one.
     ``stream``: the CUDA stream placement runs on; None = the current stream of the
     caches' device on the thread that builds this PagedKV (see the module docstring).
@@ -122,6 +136,7 @@ class PagedKV:
                     f"k_caches[{i}]",
                     f"shape {list(cache.shape)} differs from k_caches[0]'s {list(first.shape)}",
                 )
+            _check_strides(f"k_caches[{i}]", cache, first)
         object.__setattr__(self, "k_caches", k_caches)
         if self.v_caches is not None:
             if isinstance(self.v_caches, torch.Tensor) or not isinstance(self.v_caches, Sequence):
@@ -142,6 +157,7 @@ class PagedKV:
                         f"shape {list(cache.shape)} must be [{first.shape[0]}, "
                         f"{first.shape[1]}, {first.shape[2]}, v_head_dim] like v_caches[0]",
                     )
+                _check_strides(f"v_caches[{i}]", cache, v_first)
             object.__setattr__(self, "v_caches", v_caches)
         slots = self.slot_mapping
         if not isinstance(slots, torch.Tensor):
@@ -350,17 +366,6 @@ def _positions_on(pos: Positions | None, device: torch.device) -> Positions | No
     return pos.to(device)
 
 
-def _slots_run(slots: np.ndarray) -> int | None:
-    """The first slot when ``slots`` are ``s, s+1, ...`` (all placed), else None."""
-    n = slots.size
-    first = int(slots[0])
-    if first < 0:
-        return None
-    if n == 1 or (int(slots[-1]) - first == n - 1 and bool((np.diff(slots) == 1).all())):
-        return first
-    return None
-
-
 def place_paged(
     block: DecodedBlock,
     hit: Hit,
@@ -386,57 +391,39 @@ def _place_paged(
 ) -> None:
     src, dst = hit.source, hit.target
     device = into.device
-    k = _on(block.k[:, src.start : src.end], device, staging)
-    v = None if block.v is None else _on(block.v[:, src.start : src.end], device, staging)
-    slots = into.slot_mapping[dst.start : dst.end]
-    from_pos = _positions_on(source_positions(block, hit), device)
-    if from_pos is None:
-        # PagedKV checked the slots, dst.start is a host int: no value checks (no sync).
-        rerope_scatter_layers(
-            k, v, dst.start, slots, into.k_caches, into.v_caches, spec, check_values=False
-        )
-        return
-    # ROPE: K is post-RoPE already; a copy when it sits at the target positions, else one
-    # rotation by the difference (never through nope form: that would round twice).
-    same = isinstance(from_pos, int) and from_pos == dst.start
     host_slots = into.slots_host[dst.start : dst.end]
-    keep = host_slots >= 0
-    if not bool(keep.all()):
-        idx_host = np.flatnonzero(keep)
-        if idx_host.size == 0:
-            return
-        host_slots = host_slots[idx_host]
-        idx = torch.from_numpy(idx_host).to(device)
-        k, slots = k.index_select(1, idx), slots.index_select(0, idx)
-        v = None if v is None else v.index_select(1, idx)
-        to_pos: Positions = dst.start + idx
-        from_pos = (from_pos + idx) if isinstance(from_pos, int) else from_pos[idx]
-    else:
-        to_pos = dst.start
-    run = _slots_run(host_slots)
-    heads, head_dim = into.num_kv_heads, into.head_dim
-    buffer = None if same or run is not None else torch.empty_like(k[0])
-    for layer, k_cache in enumerate(into.k_caches):
-        flat = k_cache.view(-1, heads, head_dim)
-        if run is not None:
-            rows = flat[run : run + slots.numel()]
-            if same:
-                rows.copy_(k[layer])
-            else:
-                rotate(k[layer], from_pos, to_pos, spec, out=rows, check_values=False)
-        elif same:
-            flat.index_copy_(0, slots, k[layer])
-        else:
-            assert buffer is not None
-            rotated = rotate(k[layer], from_pos, to_pos, spec, out=buffer, check_values=False)
-            flat.index_copy_(0, slots, rotated)
-    if v is not None and into.v_caches is not None:
-        for layer, v_cache in enumerate(into.v_caches):
-            v_flat = v_cache.view(-1, heads, v_cache.shape[-1])
-            if run is not None:
-                v_flat[run : run + slots.numel()].copy_(v[layer])
-            else:
-                v_flat.index_copy_(0, slots, v[layer])
+    keep = np.flatnonzero(host_slots >= 0)
+    if keep.size == 0:
+        return  # every position of the hit is skipped (the engine holds them already)
+    # Only the rows that land move to the device: a hit that starts before the engine's
+    # own prefix carries its skipped head no further than the host.
+    lo, hi = int(keep[0]), int(keep[-1]) + 1
+    k = _on(block.k[:, src.start + lo : src.start + hi], device, staging)
+    v = (
+        None
+        if block.v is None
+        else _on(block.v[:, src.start + lo : src.start + hi], device, staging)
+    )
+    slots = into.slot_mapping[dst.start + lo : dst.start + hi]
+    from_pos = _positions_on(source_positions(block, hit), device)
+    if isinstance(from_pos, int):
+        from_pos += lo
+    elif from_pos is not None:
+        from_pos = from_pos[lo:hi]
+    # Every form goes through the one fused kernel: nope K rotated to the target, ROPE K
+    # copied (same positions, bit exact) or rotated once by the difference. PagedKV checked
+    # the slots, the start is a host int: no value checks (no sync).
+    rerope_scatter_layers(
+        k,
+        v,
+        dst.start + lo,
+        slots,
+        into.k_caches,
+        into.v_caches,
+        spec,
+        from_positions=from_pos,
+        check_values=False,
+    )
 
 
 def place_contiguous(

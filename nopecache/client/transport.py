@@ -76,6 +76,7 @@ __all__ = [
     "StoreResult",
     "StoreStatus",
     "TransportError",
+    "channel_credentials",
 ]
 
 BytesLike = bytes | bytearray | memoryview
@@ -618,6 +619,11 @@ def _count(keys: bytes) -> int:
             f"must be packed {KEY_BYTES}-byte keys, got {type(keys).__name__} of {len(keys)} bytes",
         )
     return len(keys) // KEY_BYTES
+
+
+def channel_credentials(config: ClientConfig) -> grpc.ChannelCredentials:
+    """TLS credentials of ``config`` (what every connection of a client uses)."""
+    return _channel_credentials(config)
 
 
 def _channel_credentials(config: ClientConfig) -> grpc.ChannelCredentials:

@@ -112,7 +112,7 @@ def rerope_scatter(
             k_nope, v, positions, slot_mapping, k_cache, v_cache, spec, check_values=check_values
         )
         return
-    validate_scatter(k_nope, v, positions, slot_mapping, k_cache, v_cache, spec)
+    validate_scatter(k_nope, v, positions, slot_mapping, k_cache, v_cache, spec, allow_strided=True)
     reference.rerope_scatter_reference(k_nope, v, positions, slot_mapping, k_cache, v_cache, spec)
 
 
@@ -125,12 +125,22 @@ def rerope_scatter_layers(
     v_caches: Sequence[torch.Tensor] | None,
     spec: RopeSpec,
     *,
+    from_positions: Positions | None = None,
     check_values: bool = True,
 ) -> None:
     """``rerope_scatter`` for all layers ``[layers, tokens, ...]`` into per-layer caches.
 
-    ``k_caches`` (and ``v_caches``) hold one cache per layer, all of one shape and dtype;
-    on CUDA this is a single kernel launch (the caches' base addresses go in a table).
+    ``k_caches`` (and ``v_caches``) hold one cache per layer, all of one shape, dtype and
+    strides; on CUDA this is a single kernel launch (the caches' base addresses go in a
+    table) and each cache must be contiguous. Off CUDA a cache may be any strided view
+    ``[num_blocks, block_size, kv_heads, dim]`` of an engine's own layout (vLLM's CPU
+    attention pages hold K transposed: a view with head_dim stride ``block_size``).
+
+    ``from_positions``: None when ``k_nope`` is nope K (the default); else K is post-RoPE
+    at those positions and is rotated once by ``positions - from_positions``, with no
+    attention-scaling factor applied (it carries one already). Equal int starts are a
+    copy: off CUDA a bit-exact one; on CUDA a rotation by angle 0 (``cos = 1``,
+    ``sin = 0`` exactly), which reproduces every finite value (a zero may change sign).
     """
     if _on_cuda(k_nope):
         from nopecache.kernels.triton_rope import rerope_scatter_layers_triton
@@ -143,12 +153,23 @@ def rerope_scatter_layers(
             k_caches,
             v_caches,
             spec,
+            from_positions=from_positions,
             check_values=check_values,
         )
         return
-    validate_scatter_layers(k_nope, v, positions, slot_mapping, k_caches, v_caches, spec)
+    validate_scatter_layers(
+        k_nope,
+        v,
+        positions,
+        slot_mapping,
+        k_caches,
+        v_caches,
+        spec,
+        from_positions=from_positions,
+        allow_strided=True,
+    )
     reference.rerope_scatter_layers_reference(
-        k_nope, v, positions, slot_mapping, k_caches, v_caches, spec
+        k_nope, v, positions, slot_mapping, k_caches, v_caches, spec, from_positions=from_positions
     )
 
 
@@ -199,8 +220,13 @@ def validate_scatter(
     spec: RopeSpec,
     *,
     check_values: bool = True,
+    allow_strided: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the first argument of ``rerope_scatter`` not acceptable."""
+    """Raise ``ValueError`` naming the first argument of ``rerope_scatter`` not acceptable.
+
+    ``allow_strided``: caches may be strided views (the torch path writes through them; the
+    Triton kernel needs contiguous ones).
+    """
     _check_spec(spec)
     _check_float_tensor("k_nope", k_nope, 3)
     _check_rows("k_nope", k_nope)
@@ -216,6 +242,7 @@ def validate_scatter(
         None if v_cache is None else [v_cache],
         spec,
         check_values,
+        allow_strided=allow_strided,
     )
 
 
@@ -228,9 +255,12 @@ def validate_scatter_layers(
     v_caches: Sequence[torch.Tensor] | None,
     spec: RopeSpec,
     *,
+    from_positions: Positions | None = None,
     check_values: bool = True,
+    allow_strided: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the first argument of ``rerope_scatter_layers`` not acceptable."""
+    """Raise ``ValueError`` naming the first argument of ``rerope_scatter_layers`` not acceptable
+    (``allow_strided``: as in ``validate_scatter``)."""
     _check_spec(spec)
     _check_float_tensor("k_nope", k_nope, 4)
     _check_rows("k_nope", k_nope)
@@ -258,6 +288,8 @@ def validate_scatter_layers(
         None if v_caches is None else list(v_caches),
         spec,
         check_values,
+        from_positions=from_positions,
+        allow_strided=allow_strided,
     )
 
 
@@ -284,6 +316,9 @@ def _check_scatter_common(
     v_caches: list[torch.Tensor] | None,
     spec: RopeSpec,
     check_values: bool,
+    *,
+    from_positions: Positions | None = None,
+    allow_strided: bool = False,
 ) -> None:
     """Checks shared by the one-layer and the all-layers scatter (leading layer dim aside)."""
     tokens, heads, head_dim = k_nope.shape[-3:]
@@ -300,6 +335,9 @@ def _check_scatter_common(
         )
     ranges: list[_Range] = []
     _check_positions("positions", positions, tokens, k_nope.device, ranges, allow_none=False)
+    _check_positions(
+        "from_positions", from_positions, tokens, k_nope.device, ranges, allow_none=True
+    )
     if not isinstance(slot_mapping, torch.Tensor):
         raise ValueError(f"slot_mapping: expected a tensor, got {type(slot_mapping).__name__}")
     if slot_mapping.dtype != torch.int64:
@@ -311,10 +349,12 @@ def _check_scatter_common(
     layered = k_nope.dim() == 4
     k_name = "k_caches" if layered else "k_cache"
     v_name = "v_caches" if layered else "v_cache"
-    first = _check_caches(k_name, k_caches, layered, heads, head_dim, k_nope.device)
+    first = _check_caches(k_name, k_caches, layered, heads, head_dim, k_nope.device, allow_strided)
     capacity = first.shape[0] * first.shape[1]
     if v is not None and v_caches is not None:
-        v_first = _check_caches(v_name, v_caches, layered, heads, v.shape[-1], k_nope.device)
+        v_first = _check_caches(
+            v_name, v_caches, layered, heads, v.shape[-1], k_nope.device, allow_strided
+        )
         if v_first.shape[:2] != first.shape[:2]:
             raise ValueError(
                 f"{v_name}: [num_blocks, block_size] {tuple(v_first.shape[:2])} differs from "
@@ -332,8 +372,9 @@ def _check_caches(
     heads: int,
     head_dim: int,
     device: torch.device,
+    allow_strided: bool,
 ) -> torch.Tensor:
-    """Every cache is a contiguous ``[num_blocks, block_size, heads, head_dim]`` like the first."""
+    """Every cache is a ``[num_blocks, block_size, heads, head_dim]`` like the first."""
     first: torch.Tensor | None = None
     for i, cache in enumerate(caches):
         label = f"{name}[{i}]" if indexed else name
@@ -345,13 +386,20 @@ def _check_caches(
             )
         if cache.device != device:
             raise ValueError(f"{label}: on {cache.device}, inputs on {device}")
-        if not cache.is_contiguous():
+        # The Triton kernel addresses slots as rows of one [slots, heads, dim] tensor; the
+        # torch path writes through any strided view (an engine's own page layout).
+        if not (allow_strided and device.type != "cuda") and not cache.is_contiguous():
             raise ValueError(f"{label}: must be contiguous")
         if first is None:
             first = cache
-        elif cache.shape != first.shape or cache.dtype != first.dtype:
+        elif (
+            cache.shape != first.shape
+            or cache.dtype != first.dtype
+            or cache.stride() != first.stride()
+        ):
             raise ValueError(
-                f"{label}: {_describe(cache)} differs from {name}[0] {_describe(first)}"
+                f"{label}: {_describe(cache)} strides {cache.stride()} differ from "
+                f"{name}[0] {_describe(first)} strides {first.stride()}"
             )
     if first is None:
         raise ValueError(f"{name}: no caches given")

@@ -157,37 +157,56 @@ def rerope_scatter_layers_reference(
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor] | None,
     spec: RopeSpec,
+    *,
+    from_positions: Positions | None = None,
 ) -> None:
-    """``rerope_scatter_reference`` for ``[layers, tokens, heads, dim]`` into per-layer caches."""
+    """``rerope_scatter_reference`` for ``[layers, tokens, heads, dim]`` into per-layer caches.
+
+    ``from_positions``: K is post-RoPE there (None: nope K); equal int starts copy K.
+    """
     layers, tokens, heads, head_dim = k_nope.shape
     if tokens == 0:
         return
     slots = slot_mapping
     pos: Positions = positions
+    src: Positions | None = from_positions
     keep = slots >= 0
     if not bool(keep.all()):
-        # Skipped slots are rare (padding): drop those tokens once, for all layers.
+        # Skipped slots (padding, positions an engine holds already): drop those tokens
+        # once, for all layers.
         idx = keep.nonzero().squeeze(1)
         tokens = idx.numel()
         if tokens == 0:
             return
         k_nope = k_nope.index_select(1, idx)
         v = None if v is None else v.index_select(1, idx)
+        copy = isinstance(src, int) and src == positions
         pos = _positions_tensor(positions, slot_mapping.numel(), slots.device).index_select(0, idx)
+        if src is not None:
+            src = pos if copy else _positions_tensor(src, slot_mapping.numel(), slots.device)[idx]
         slots = slots.index_select(0, idx)
     device = k_nope.device
     cache_dtype = k_caches[0].dtype
-    delta = position_delta(None, pos, tokens, device)
-    writer = _SlotWriter(slots, block_size=k_caches[0].shape[1])
+    # Same positions (a post-RoPE block used where it was computed): a plain copy, bit exact.
+    copy_k = src is not None and (src is pos or (isinstance(src, int) and src == pos))
+    writer = _SlotWriter(slots, block_size=k_caches[0].shape[1], strided=k_caches[0])
     chunk = writer.align(_chunk_tokens(spec, heads, tokens))
-    rotator = _Rotator(spec, delta, spec.attention_scaling, heads, chunk)
+    rotator = None
+    if not copy_k:
+        delta = position_delta(src, pos, tokens, device)
+        rotator = _Rotator(spec, delta, rotation_scale(src, pos, spec), heads, chunk)
     buffer = torch.empty((chunk, heads, head_dim), dtype=cache_dtype, device=device)
     for layer in range(layers):
         k_cache = k_caches[layer]
         for a in range(0, tokens, chunk):
             b = min(a + chunk, tokens)
             direct = writer.slice(k_cache, a, b)
-            if direct is not None:  # consecutive slots: rotate straight into the cache
+            if rotator is None:
+                if direct is not None:
+                    direct.copy_(k_nope[layer, a:b])
+                else:
+                    writer.write(k_cache, a, k_nope[layer, a:b].to(cache_dtype))
+            elif direct is not None:  # consecutive slots: rotate straight into the cache
                 rotator.apply(k_nope[layer, a:b], direct, a, copy_pass=True)
             else:
                 rows = buffer[: b - a]
@@ -266,13 +285,23 @@ class _SlotWriter:
     On the CPU rows move through numpy's fancy assignment on a raw-bytes view (one
     ``memcpy`` per row, bit-exact); torch's ``index_copy_`` goes element by element and
     takes several times as long. Other devices use ``index_copy_``.
+
+    A cache that is a strided view (not contiguous: an engine's own page layout, such as
+    vLLM's CPU pages with K transposed) is written through the view itself, one indexed
+    assignment ``cache[block, offset] = rows`` per call.
     """
 
-    def __init__(self, slots: torch.Tensor, block_size: int) -> None:
+    def __init__(self, slots: torch.Tensor, block_size: int, strided: torch.Tensor) -> None:
         self.slots = slots
         self.block_size = block_size
-        self.run_start = _single_run(slots)
-        self.blocks = None if self.run_start is not None else _whole_blocks(slots, block_size)
+        self.indexed: tuple[torch.Tensor, torch.Tensor] | None = None
+        if not strided.is_contiguous():
+            self.indexed = (slots // block_size, slots % block_size)
+            self.run_start: int | None = None
+            self.blocks: torch.Tensor | None = None
+        else:
+            self.run_start = _single_run(slots)
+            self.blocks = None if self.run_start is not None else _whole_blocks(slots, block_size)
         self.on_cpu = slots.device.type == "cpu"
 
     def align(self, chunk: int) -> int:
@@ -290,6 +319,10 @@ class _SlotWriter:
     def write(self, cache: torch.Tensor, a: int, rows: torch.Tensor) -> None:
         """Write ``rows`` (tokens ``a..``, contiguous, cache dtype) to their slots."""
         b = a + rows.shape[0]
+        if self.indexed is not None:
+            blocks, offsets = self.indexed
+            cache[blocks[a:b], offsets[a:b]] = rows
+            return
         target = self.slice(cache, a, b)
         if target is not None:
             target.copy_(rows)

@@ -396,11 +396,24 @@ def rerope_scatter_layers_triton(
     v_caches: Sequence[torch.Tensor] | None,
     spec: RopeSpec,
     *,
+    from_positions: Positions | None = None,
     check_values: bool = True,
 ) -> None:
-    """Triton ``rerope_scatter_layers``: all layers in one launch via a cache address table."""
+    """Triton ``rerope_scatter_layers``: all layers in one launch via a cache address table.
+
+    ``from_positions`` (post-RoPE K, see ``api.rerope_scatter_layers``): equal int starts
+    launch with no positions at all (delta 0: cos 1, sin 0, no scaling).
+    """
     validate_scatter_layers(
-        k_nope, v, positions, slot_mapping, k_caches, v_caches, spec, check_values=check_values
+        k_nope,
+        v,
+        positions,
+        slot_mapping,
+        k_caches,
+        v_caches,
+        spec,
+        from_positions=from_positions,
+        check_values=check_values,
     )
     if k_nope.shape[1] == 0:
         return
@@ -410,13 +423,20 @@ def rerope_scatter_layers_triton(
     # at an odd offset is not): otherwise the kernel variant without the hint, one element
     # per store.
     aligned = all(p % 16 == 0 for p in k_ptrs + (v_ptrs or ()))
+    from_pos: Positions | None = from_positions
+    to_pos: Positions | None = positions
+    scale = spec.attention_scaling
+    if from_positions is not None:
+        scale = 1.0  # post-RoPE K carries the factor already
+        if isinstance(from_positions, int) and from_positions == positions:
+            from_pos = to_pos = None  # same positions: a copy (angle 0)
     _launch(
         spec=spec,
         src=k_nope,
         dst_rows=_rows(k_caches[0]),
-        from_pos=None,
-        to_pos=positions,
-        scale=spec.attention_scaling,
+        from_pos=from_pos,
+        to_pos=to_pos,
+        scale=scale,
         slots=slot_mapping,
         copy_pass=True,
         v_src=v,

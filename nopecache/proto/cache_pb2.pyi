@@ -649,3 +649,548 @@ class StatsReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsReply: _TypeAlias = StatsReply  # noqa: Y015
+
+@_typing.final
+class AdminStatsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Only this tenant (empty: every tenant the caller may see)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdminStatsRequest: _TypeAlias = AdminStatsRequest  # noqa: Y015
+
+@_typing.final
+class AdminTierStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    HEALTHY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    url: _builtins.str
+    entries: _builtins.int
+    used_bytes: _builtins.int
+    capacity_bytes: _builtins.int
+    pages: _builtins.int
+    """Allocation units in use (memory tiers; 0 for Redis)."""
+    hits: _builtins.int
+    """Get keys this tier served since start, and entries it evicted."""
+    evictions: _builtins.int
+    healthy: _builtins.bool
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        url: _builtins.str = ...,
+        entries: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        capacity_bytes: _builtins.int = ...,
+        pages: _builtins.int = ...,
+        hits: _builtins.int = ...,
+        evictions: _builtins.int = ...,
+        healthy: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "entries", b"entries", "evictions", b"evictions", "healthy", b"healthy", "hits", b"hits", "name", b"name", "pages", b"pages", "url", b"url", "used_bytes", b"used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdminTierStats: _TypeAlias = AdminTierStats  # noqa: Y015
+
+@_typing.final
+class AdminTenantStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    PINNED_ENTRIES_FIELD_NUMBER: _builtins.int
+    PINNED_BYTES_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    MISSES_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    entries: _builtins.int
+    """Blocks charged to the tenant on this server and their bytes in whole pages."""
+    used_bytes: _builtins.int
+    pages: _builtins.int
+    quota_bytes: _builtins.int
+    """0 = no quota."""
+    pinned_entries: _builtins.int
+    pinned_bytes: _builtins.int
+    hits: _builtins.int
+    """Get keys found / not found for this tenant since start."""
+    misses: _builtins.int
+    in_flight: _builtins.int
+    """Calls of this tenant in flight now."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        entries: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        pages: _builtins.int = ...,
+        quota_bytes: _builtins.int = ...,
+        pinned_entries: _builtins.int = ...,
+        pinned_bytes: _builtins.int = ...,
+        hits: _builtins.int = ...,
+        misses: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "hits", b"hits", "in_flight", b"in_flight", "misses", b"misses", "pages", b"pages", "pinned_bytes", b"pinned_bytes", "pinned_entries", b"pinned_entries", "quota_bytes", b"quota_bytes", "tenant", b"tenant", "used_bytes", b"used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdminTenantStats: _TypeAlias = AdminTenantStats  # noqa: Y015
+
+@_typing.final
+class AdminStatsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
+    MISSES_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    PAGE_BYTES_FIELD_NUMBER: _builtins.int
+    misses: _builtins.int
+    """Get keys found in no tier since start (all tenants)."""
+    in_flight: _builtins.int
+    """KVCache calls in flight now (all tenants)."""
+    draining: _builtins.bool
+    page_bytes: _builtins.int
+    @_builtins.property
+    def server(self) -> Global___ServerInfo: ...
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdminTierStats]: ...
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdminTenantStats]: ...
+    def __init__(
+        self,
+        *,
+        server: Global___ServerInfo | None = ...,
+        tiers: _abc.Iterable[Global___AdminTierStats] | None = ...,
+        tenants: _abc.Iterable[Global___AdminTenantStats] | None = ...,
+        misses: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+        page_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["server", b"server"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "in_flight", b"in_flight", "misses", b"misses", "page_bytes", b"page_bytes", "server", b"server", "tenants", b"tenants", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdminStatsReply: _TypeAlias = AdminStatsReply  # noqa: Y015
+
+@_typing.final
+class AdminLookupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    keys: _builtins.bytes
+    tenant: _builtins.str
+    """The tenant whose namespace the keys are in (empty: the caller's own)."""
+    def __init__(
+        self,
+        *,
+        keys: _builtins.bytes = ...,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdminLookupRequest: _TypeAlias = AdminLookupRequest  # noqa: Y015
+
+@_typing.final
+class AdminLookupReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIERS_FIELD_NUMBER: _builtins.int
+    TIER_NAMES_FIELD_NUMBER: _builtins.int
+    PINS_FIELD_NUMBER: _builtins.int
+    PIN_TTL_MS_FIELD_NUMBER: _builtins.int
+    tiers: _builtins.bytes
+    """As LookupReply: one byte per key, 0 = miss, c > 0 = tier_names[c - 1]."""
+    pins: _builtins.bytes
+    """One byte per key: 0 = not pinned, 1 = soft pin, 2 = hard pin."""
+    @_builtins.property
+    def tier_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def pin_ttl_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per key: milliseconds left on a soft pin (0 otherwise)."""
+
+    def __init__(
+        self,
+        *,
+        tiers: _builtins.bytes = ...,
+        tier_names: _abc.Iterable[_builtins.str] | None = ...,
+        pins: _builtins.bytes = ...,
+        pin_ttl_ms: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pin_ttl_ms", b"pin_ttl_ms", "pins", b"pins", "tier_names", b"tier_names", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdminLookupReply: _TypeAlias = AdminLookupReply  # noqa: Y015
+
+@_typing.final
+class FlushRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    ALL_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """The tenant to flush (empty: the caller's own)."""
+    all: _builtins.bool
+    """Everything, every tenant (admin only); `tenant` must then be empty."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        all: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlushRequest: _TypeAlias = FlushRequest  # noqa: Y015
+
+@_typing.final
+class FlushReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    UNPINNED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.int
+    """Blocks deleted (distinct keys present in some tier)."""
+    unpinned: _builtins.int
+    """Pins dropped with them."""
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.int = ...,
+        unpinned: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "unpinned", b"unpinned"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlushReply: _TypeAlias = FlushReply  # noqa: Y015
+
+@_typing.final
+class PinRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    HARD_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    keys: _builtins.bytes
+    tenant: _builtins.str
+    hard: _builtins.bool
+    """Hard pins are never evicted and never expire; soft pins expire after ttl_ms."""
+    ttl_ms: _builtins.int
+    """Soft pins: the time to live (0: the server's pin_max_ttl_s); capped by that maximum."""
+    def __init__(
+        self,
+        *,
+        keys: _builtins.bytes = ...,
+        tenant: _builtins.str = ...,
+        hard: _builtins.bool = ...,
+        ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hard", b"hard", "keys", b"keys", "tenant", b"tenant", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinRequest: _TypeAlias = PinRequest  # noqa: Y015
+
+@_typing.final
+class PinReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PINNED_FIELD_NUMBER: _builtins.int
+    MISSING_FIELD_NUMBER: _builtins.int
+    PINNED_BYTES_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    pinned: _builtins.int
+    """Keys pinned now (present keys), and requested keys no tier holds (not pinned)."""
+    missing: _builtins.int
+    pinned_bytes: _builtins.int
+    """The tenant's pinned bytes after this call."""
+    ttl_ms: _builtins.int
+    """The TTL applied to soft pins (after the cap); 0 for hard pins."""
+    def __init__(
+        self,
+        *,
+        pinned: _builtins.int = ...,
+        missing: _builtins.int = ...,
+        pinned_bytes: _builtins.int = ...,
+        ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["missing", b"missing", "pinned", b"pinned", "pinned_bytes", b"pinned_bytes", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinReply: _TypeAlias = PinReply  # noqa: Y015
+
+@_typing.final
+class UnpinRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    keys: _builtins.bytes
+    tenant: _builtins.str
+    def __init__(
+        self,
+        *,
+        keys: _builtins.bytes = ...,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinRequest: _TypeAlias = UnpinRequest  # noqa: Y015
+
+@_typing.final
+class UnpinReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UNPINNED_FIELD_NUMBER: _builtins.int
+    unpinned: _builtins.int
+    def __init__(
+        self,
+        *,
+        unpinned: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["unpinned", b"unpinned"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinReply: _TypeAlias = UnpinReply  # noqa: Y015
+
+@_typing.final
+class DrainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAIT_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    wait: _builtins.bool
+    """Wait until no KVCache call is in flight (at most timeout_ms) before answering."""
+    timeout_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        wait: _builtins.bool = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout_ms", b"timeout_ms", "wait", b"wait"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
+
+@_typing.final
+class DrainReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAINING_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    draining: _builtins.bool
+    in_flight: _builtins.int
+    """KVCache calls still in flight when the reply was made (0 once idle)."""
+    def __init__(
+        self,
+        *,
+        draining: _builtins.bool = ...,
+        in_flight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "in_flight", b"in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainReply: _TypeAlias = DrainReply  # noqa: Y015
+
+@_typing.final
+class GetQuotaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Empty: every tenant the caller may see."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetQuotaRequest: _TypeAlias = GetQuotaRequest  # noqa: Y015
+
+@_typing.final
+class TenantQuota(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    PINNED_BYTES_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    quota_bytes: _builtins.int
+    """0 = no quota."""
+    used_bytes: _builtins.int
+    pinned_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        quota_bytes: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        pinned_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pinned_bytes", b"pinned_bytes", "quota_bytes", b"quota_bytes", "tenant", b"tenant", "used_bytes", b"used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantQuota: _TypeAlias = TenantQuota  # noqa: Y015
+
+@_typing.final
+class QuotaReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[Global___TenantQuota]: ...
+    def __init__(
+        self,
+        *,
+        tenants: _abc.Iterable[Global___TenantQuota] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenants", b"tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuotaReply: _TypeAlias = QuotaReply  # noqa: Y015
+
+@_typing.final
+class SetQuotaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    quota_bytes: _builtins.int
+    """0 removes the quota."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        quota_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["quota_bytes", b"quota_bytes", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetQuotaRequest: _TypeAlias = SetQuotaRequest  # noqa: Y015
+
+@_typing.final
+class WatchRemovalsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRemovalsRequest: _TypeAlias = WatchRemovalsRequest  # noqa: Y015
+
+@_typing.final
+class RemovalEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    keys: _builtins.bytes
+    """Client keys (packed, 16 bytes each) no tier holds any more."""
+    cleared: _builtins.bool
+    """The caller's namespace was flushed: every key it held is gone."""
+    lost: _builtins.bool
+    """The watcher fell behind and events were dropped: any key may be gone."""
+    def __init__(
+        self,
+        *,
+        keys: _builtins.bytes = ...,
+        cleared: _builtins.bool = ...,
+        lost: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "keys", b"keys", "lost", b"lost"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemovalEvent: _TypeAlias = RemovalEvent  # noqa: Y015

@@ -75,6 +75,11 @@ class KVCacheStub:
                 request_serializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.SerializeToString,
                 response_deserializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.FromString,
                 _registered_method=True)
+        self.WatchRemovals = channel.unary_stream(
+                '/nopecache.v1.KVCache/WatchRemovals',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.RemovalEvent.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -140,6 +145,16 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchRemovals(self, request, context):
+        """A stream of the caller's keys that left the cache: dropped by the last tier that held
+        them, deleted, or flushed. Engines that announce what the cache holds (vLLM's KV events
+        for routers) follow it to withdraw what is gone. The first event is empty: the watch is
+        open from then on. Evictions Redis makes by itself are not seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +197,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.OpenBulk,
                     request_deserializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.FromString,
                     response_serializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.SerializeToString,
+            ),
+            'WatchRemovals': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRemovals,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.RemovalEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +421,436 @@ class KVCache:
             '/nopecache.v1.KVCache/OpenBulk',
             nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.SerializeToString,
             nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRemovals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nopecache.v1.KVCache/WatchRemovals',
+            nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.RemovalEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AdminStub:
+    """---------------------------------------------------------------------------------------
+    Operating the cache: nopecache-admin speaks this service (nopecache/admin/).
+
+    Roles. An admin token (server options admin_tokens / admin_tokens_file) may act on any
+    tenant (the `tenant` fields) or on everything; a tenant token acts on its own namespace
+    only (a `tenant` naming another tenant is PERMISSION_DENIED) and may not drain or set
+    quotas. Without authentication every caller is the admin. Keys are client keys (16
+    bytes, packed as in LookupRequest); the server namespaces them for the tenant acted on.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AdminStats = channel.unary_unary(
+                '/nopecache.v1.Admin/AdminStats',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.AdminStatsRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.AdminStatsReply.FromString,
+                _registered_method=True)
+        self.AdminLookup = channel.unary_unary(
+                '/nopecache.v1.Admin/AdminLookup',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.AdminLookupRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.AdminLookupReply.FromString,
+                _registered_method=True)
+        self.Flush = channel.unary_unary(
+                '/nopecache.v1.Admin/Flush',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.FlushRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.FlushReply.FromString,
+                _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/nopecache.v1.Admin/Pin',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.PinRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.PinReply.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/nopecache.v1.Admin/Unpin',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.UnpinReply.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/nopecache.v1.Admin/Drain',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.DrainRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.DrainReply.FromString,
+                _registered_method=True)
+        self.GetQuota = channel.unary_unary(
+                '/nopecache.v1.Admin/GetQuota',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.GetQuotaRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.QuotaReply.FromString,
+                _registered_method=True)
+        self.SetQuota = channel.unary_unary(
+                '/nopecache.v1.Admin/SetQuota',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.QuotaReply.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """---------------------------------------------------------------------------------------
+    Operating the cache: nopecache-admin speaks this service (nopecache/admin/).
+
+    Roles. An admin token (server options admin_tokens / admin_tokens_file) may act on any
+    tenant (the `tenant` fields) or on everything; a tenant token acts on its own namespace
+    only (a `tenant` naming another tenant is PERMISSION_DENIED) and may not drain or set
+    quotas. Without authentication every caller is the admin. Keys are client keys (16
+    bytes, packed as in LookupRequest); the server namespaces them for the tenant acted on.
+    """
+
+    def AdminStats(self, request, context):
+        """Per-tier and per-tenant statistics (a tenant token sees its own tenant only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdminLookup(self, request, context):
+        """Which keys exist, in which tier, and whether they are pinned (no side effects).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Flush(self, request, context):
+        """Deletes every block of a tenant's namespace, or of every tenant (admin, `all`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
+        """Keeps blocks resident: soft (expires after a TTL, capped by pin_max_ttl_s) or hard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stops admitting Puts (UNAVAILABLE) and readiness; reports the calls still in flight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetQuota(self, request, context):
+        """Quotas: show (a tenant sees its own), set at run time (admin).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQuota(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AdminStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdminStats,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.AdminStatsRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.AdminStatsReply.SerializeToString,
+            ),
+            'AdminLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdminLookup,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.AdminLookupRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.AdminLookupReply.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.FlushRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.FlushReply.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.PinRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.PinReply.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.UnpinRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.UnpinReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.DrainRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.DrainReply.SerializeToString,
+            ),
+            'GetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQuota,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.GetQuotaRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.QuotaReply.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.SetQuotaRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.QuotaReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'nopecache.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('nopecache.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """---------------------------------------------------------------------------------------
+    Operating the cache: nopecache-admin speaks this service (nopecache/admin/).
+
+    Roles. An admin token (server options admin_tokens / admin_tokens_file) may act on any
+    tenant (the `tenant` fields) or on everything; a tenant token acts on its own namespace
+    only (a `tenant` naming another tenant is PERMISSION_DENIED) and may not drain or set
+    quotas. Without authentication every caller is the admin. Keys are client keys (16
+    bytes, packed as in LookupRequest); the server namespaces them for the tenant acted on.
+    """
+
+    @staticmethod
+    def AdminStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.Admin/AdminStats',
+            nopecache_dot_proto_dot_cache__pb2.AdminStatsRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.AdminStatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdminLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.Admin/AdminLookup',
+            nopecache_dot_proto_dot_cache__pb2.AdminLookupRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.AdminLookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.Admin/Flush',
+            nopecache_dot_proto_dot_cache__pb2.FlushRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.FlushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.Admin/Pin',
+            nopecache_dot_proto_dot_cache__pb2.PinRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.PinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.Admin/Unpin',
+            nopecache_dot_proto_dot_cache__pb2.UnpinRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.UnpinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.Admin/Drain',
+            nopecache_dot_proto_dot_cache__pb2.DrainRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.Admin/GetQuota',
+            nopecache_dot_proto_dot_cache__pb2.GetQuotaRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.QuotaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.Admin/SetQuota',
+            nopecache_dot_proto_dot_cache__pb2.SetQuotaRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.QuotaReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,6 +108,12 @@ class KVCacheStub:
     """A ticket for one bulk byte-stream connection (see above). A server that offers none
     (TLS, switched off) answers with `refused` set.
     """
+    WatchRemovals: _grpc.UnaryStreamMultiCallable[_cache_pb2.WatchRemovalsRequest, _cache_pb2.RemovalEvent]
+    """A stream of the caller's keys that left the cache: dropped by the last tier that held
+    them, deleted, or flushed. Engines that announce what the cache holds (vLLM's KV events
+    for routers) follow it to withdraw what is gone. The first event is empty: the watch is
+    open from then on. Evictions Redis makes by itself are not seen.
+    """
 
 @_typing.type_check_only
 class KVCacheAsyncStub(KVCacheStub):
@@ -135,6 +141,12 @@ class KVCacheAsyncStub(KVCacheStub):
     OpenBulk: _aio.UnaryUnaryMultiCallable[_cache_pb2.OpenBulkRequest, _cache_pb2.OpenBulkReply]  # type: ignore[assignment]
     """A ticket for one bulk byte-stream connection (see above). A server that offers none
     (TLS, switched off) answers with `refused` set.
+    """
+    WatchRemovals: _aio.UnaryStreamMultiCallable[_cache_pb2.WatchRemovalsRequest, _cache_pb2.RemovalEvent]  # type: ignore[assignment]
+    """A stream of the caller's keys that left the cache: dropped by the last tier that held
+    them, deleted, or flushed. Engines that announce what the cache holds (vLLM's KV events
+    for routers) follow it to withdraw what is gone. The first event is empty: the watch is
+    open from then on. Evictions Redis makes by itself are not seen.
     """
 
 class KVCacheServicer(metaclass=_abc_1.ABCMeta):
@@ -210,4 +222,149 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         (TLS, switched off) answers with `refused` set.
         """
 
+    @_abc_1.abstractmethod
+    def WatchRemovals(
+        self,
+        request: _cache_pb2.WatchRemovalsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.RemovalEvent], _abc.AsyncIterator[_cache_pb2.RemovalEvent]]:
+        """A stream of the caller's keys that left the cache: dropped by the last tier that held
+        them, deleted, or flushed. Engines that announce what the cache holds (vLLM's KV events
+        for routers) follow it to withdraw what is gone. The first event is empty: the watch is
+        open from then on. Evictions Redis makes by itself are not seen.
+        """
+
 def add_KVCacheServicer_to_server(servicer: KVCacheServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class AdminStub:
+    """---------------------------------------------------------------------------------------
+    Operating the cache: nopecache-admin speaks this service (nopecache/admin/).
+
+    Roles. An admin token (server options admin_tokens / admin_tokens_file) may act on any
+    tenant (the `tenant` fields) or on everything; a tenant token acts on its own namespace
+    only (a `tenant` naming another tenant is PERMISSION_DENIED) and may not drain or set
+    quotas. Without authentication every caller is the admin. Keys are client keys (16
+    bytes, packed as in LookupRequest); the server namespaces them for the tenant acted on.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> AdminAsyncStub: ...
+    AdminStats: _grpc.UnaryUnaryMultiCallable[_cache_pb2.AdminStatsRequest, _cache_pb2.AdminStatsReply]
+    """Per-tier and per-tenant statistics (a tenant token sees its own tenant only)."""
+    AdminLookup: _grpc.UnaryUnaryMultiCallable[_cache_pb2.AdminLookupRequest, _cache_pb2.AdminLookupReply]
+    """Which keys exist, in which tier, and whether they are pinned (no side effects)."""
+    Flush: _grpc.UnaryUnaryMultiCallable[_cache_pb2.FlushRequest, _cache_pb2.FlushReply]
+    """Deletes every block of a tenant's namespace, or of every tenant (admin, `all`)."""
+    Pin: _grpc.UnaryUnaryMultiCallable[_cache_pb2.PinRequest, _cache_pb2.PinReply]
+    """Keeps blocks resident: soft (expires after a TTL, capped by pin_max_ttl_s) or hard."""
+    Unpin: _grpc.UnaryUnaryMultiCallable[_cache_pb2.UnpinRequest, _cache_pb2.UnpinReply]
+    Drain: _grpc.UnaryUnaryMultiCallable[_cache_pb2.DrainRequest, _cache_pb2.DrainReply]
+    """Stops admitting Puts (UNAVAILABLE) and readiness; reports the calls still in flight."""
+    GetQuota: _grpc.UnaryUnaryMultiCallable[_cache_pb2.GetQuotaRequest, _cache_pb2.QuotaReply]
+    """Quotas: show (a tenant sees its own), set at run time (admin)."""
+    SetQuota: _grpc.UnaryUnaryMultiCallable[_cache_pb2.SetQuotaRequest, _cache_pb2.QuotaReply]
+
+@_typing.type_check_only
+class AdminAsyncStub(AdminStub):
+    """---------------------------------------------------------------------------------------
+    Operating the cache: nopecache-admin speaks this service (nopecache/admin/).
+
+    Roles. An admin token (server options admin_tokens / admin_tokens_file) may act on any
+    tenant (the `tenant` fields) or on everything; a tenant token acts on its own namespace
+    only (a `tenant` naming another tenant is PERMISSION_DENIED) and may not drain or set
+    quotas. Without authentication every caller is the admin. Keys are client keys (16
+    bytes, packed as in LookupRequest); the server namespaces them for the tenant acted on.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    AdminStats: _aio.UnaryUnaryMultiCallable[_cache_pb2.AdminStatsRequest, _cache_pb2.AdminStatsReply]  # type: ignore[assignment]
+    """Per-tier and per-tenant statistics (a tenant token sees its own tenant only)."""
+    AdminLookup: _aio.UnaryUnaryMultiCallable[_cache_pb2.AdminLookupRequest, _cache_pb2.AdminLookupReply]  # type: ignore[assignment]
+    """Which keys exist, in which tier, and whether they are pinned (no side effects)."""
+    Flush: _aio.UnaryUnaryMultiCallable[_cache_pb2.FlushRequest, _cache_pb2.FlushReply]  # type: ignore[assignment]
+    """Deletes every block of a tenant's namespace, or of every tenant (admin, `all`)."""
+    Pin: _aio.UnaryUnaryMultiCallable[_cache_pb2.PinRequest, _cache_pb2.PinReply]  # type: ignore[assignment]
+    """Keeps blocks resident: soft (expires after a TTL, capped by pin_max_ttl_s) or hard."""
+    Unpin: _aio.UnaryUnaryMultiCallable[_cache_pb2.UnpinRequest, _cache_pb2.UnpinReply]  # type: ignore[assignment]
+    Drain: _aio.UnaryUnaryMultiCallable[_cache_pb2.DrainRequest, _cache_pb2.DrainReply]  # type: ignore[assignment]
+    """Stops admitting Puts (UNAVAILABLE) and readiness; reports the calls still in flight."""
+    GetQuota: _aio.UnaryUnaryMultiCallable[_cache_pb2.GetQuotaRequest, _cache_pb2.QuotaReply]  # type: ignore[assignment]
+    """Quotas: show (a tenant sees its own), set at run time (admin)."""
+    SetQuota: _aio.UnaryUnaryMultiCallable[_cache_pb2.SetQuotaRequest, _cache_pb2.QuotaReply]  # type: ignore[assignment]
+
+class AdminServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------------------------------
+    Operating the cache: nopecache-admin speaks this service (nopecache/admin/).
+
+    Roles. An admin token (server options admin_tokens / admin_tokens_file) may act on any
+    tenant (the `tenant` fields) or on everything; a tenant token acts on its own namespace
+    only (a `tenant` naming another tenant is PERMISSION_DENIED) and may not drain or set
+    quotas. Without authentication every caller is the admin. Keys are client keys (16
+    bytes, packed as in LookupRequest); the server namespaces them for the tenant acted on.
+    """
+
+    @_abc_1.abstractmethod
+    def AdminStats(
+        self,
+        request: _cache_pb2.AdminStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.AdminStatsReply, _abc.Awaitable[_cache_pb2.AdminStatsReply]]:
+        """Per-tier and per-tenant statistics (a tenant token sees its own tenant only)."""
+
+    @_abc_1.abstractmethod
+    def AdminLookup(
+        self,
+        request: _cache_pb2.AdminLookupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.AdminLookupReply, _abc.Awaitable[_cache_pb2.AdminLookupReply]]:
+        """Which keys exist, in which tier, and whether they are pinned (no side effects)."""
+
+    @_abc_1.abstractmethod
+    def Flush(
+        self,
+        request: _cache_pb2.FlushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.FlushReply, _abc.Awaitable[_cache_pb2.FlushReply]]:
+        """Deletes every block of a tenant's namespace, or of every tenant (admin, `all`)."""
+
+    @_abc_1.abstractmethod
+    def Pin(
+        self,
+        request: _cache_pb2.PinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.PinReply, _abc.Awaitable[_cache_pb2.PinReply]]:
+        """Keeps blocks resident: soft (expires after a TTL, capped by pin_max_ttl_s) or hard."""
+
+    @_abc_1.abstractmethod
+    def Unpin(
+        self,
+        request: _cache_pb2.UnpinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.UnpinReply, _abc.Awaitable[_cache_pb2.UnpinReply]]: ...
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _cache_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.DrainReply, _abc.Awaitable[_cache_pb2.DrainReply]]:
+        """Stops admitting Puts (UNAVAILABLE) and readiness; reports the calls still in flight."""
+
+    @_abc_1.abstractmethod
+    def GetQuota(
+        self,
+        request: _cache_pb2.GetQuotaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.QuotaReply, _abc.Awaitable[_cache_pb2.QuotaReply]]:
+        """Quotas: show (a tenant sees its own), set at run time (admin)."""
+
+    @_abc_1.abstractmethod
+    def SetQuota(
+        self,
+        request: _cache_pb2.SetQuotaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.QuotaReply, _abc.Awaitable[_cache_pb2.QuotaReply]]: ...
+
+def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

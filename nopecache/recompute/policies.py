@@ -51,6 +51,7 @@ Policies here:
                            tokens, the rest as ``deviation`` ranked by V (the
                            default, ``DEFAULT_POLICY``)
 ``selective(...)``         the general form: check layer, score, start share, ranking
+``question(budget, ...)``  ranked by the question's attention (``question.py``)
 =========================  =====================================================
 """
 
@@ -77,6 +78,9 @@ the prompt's last tokens pay to the token in that head, summed over heads.
 """
 
 SCORES: tuple[Score, ...] = ("k", "v", "kv", "kv_attention")
+
+Probe = Literal["last", "question"]
+"""Whose attention a policy reads at a check layer (see ``RecomputePolicy.probe``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +186,9 @@ class LayerState:
     cached_k: torch.Tensor  # [n, kv_heads, head_dim]
     cached_v: torch.Tensor  # [n, kv_heads, head_dim]
     attention: torch.Tensor | None = None
-    """``[kv_heads, n]``: mean attention probability from the prompt's last tokens to each
-    running token, over the query heads of each KV head group and over those tokens."""
+    """``[kv_heads, n]``: mean attention probability from the probe tokens (the prompt's
+    last tokens, or the question's: ``RecomputePolicy.probe``) to each running token, over
+    the query heads of each KV head group and over those tokens."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer < self.num_layers:
@@ -344,6 +349,12 @@ class RecomputePolicy(abc.ABC):
     def wants_attention(self) -> bool:
         """Whether :meth:`narrow` needs ``LayerState.attention``."""
         return False
+
+    @property
+    def probe(self) -> Probe:
+        """Whose attention ``LayerState.attention`` holds: the prompt's ``last`` tokens, or
+        the ``question`` (every token after the last reused chunk)."""
+        return "last"
 
     @abc.abstractmethod
     def schedule(self, layout: ReuseLayout, num_layers: int) -> Schedule:
@@ -657,6 +668,13 @@ def selective(
     return Selective(budget, check_layer, score, start, ranking, label)
 
 
+def _question(budget: float) -> RecomputePolicy:
+    # question.py builds on this module; imported when first named.
+    from nopecache.recompute.question import question_default
+
+    return question_default(budget)
+
+
 POLICY_FACTORIES: dict[str, Callable[[float], RecomputePolicy]] = {
     "none": lambda budget: none(),
     "first_k": first_k,
@@ -664,6 +682,7 @@ POLICY_FACTORIES: dict[str, Callable[[float], RecomputePolicy]] = {
     "blend": blend,
     "taper": taper,
     "selective": selective,
+    "question": _question,
 }
 """The policies by factory name, each built from a budget (what an engine's config names)."""
 

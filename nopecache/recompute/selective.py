@@ -27,10 +27,21 @@ from torch.nn import functional as F
 
 from nopecache.recompute.policies import LayerState, RecomputePolicy, ReuseLayout
 
-__all__ = ["PROBE_TOKENS", "LayerKV", "LoopResult", "Projection", "Stack", "run_selective"]
+__all__ = [
+    "PROBE_TOKENS",
+    "QUESTION_PROBE_TOKENS",
+    "LayerKV",
+    "LoopResult",
+    "Projection",
+    "Stack",
+    "run_selective",
+]
 
 PROBE_TOKENS = 16
 """Last running tokens whose attention an attention-weighted policy reads."""
+
+QUESTION_PROBE_TOKENS = 64
+"""Last question tokens whose attention a question-probing policy reads."""
 
 QUERY_BLOCK = 64
 """Running tokens per attention call, each over the keys up to its last position."""
@@ -119,22 +130,101 @@ class LoopResult:
 
 def _probe_attention(
     stack: Stack,
-    proj: Projection,
-    positions: torch.Tensor,
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
     keys: torch.Tensor,
     pi_rows: torch.Tensor,
 ) -> torch.Tensor:
-    """Mean attention ``[kv_heads, n]`` the last running tokens pay to the ``pi_rows``."""
-    m = min(PROBE_TOKENS, int(positions.numel()))
-    rows = torch.arange(int(positions.numel()) - m, int(positions.numel()))
-    probe_q = proj.queries(rows).transpose(0, 1)  # [heads, m, dim]
+    """Mean attention ``[kv_heads, n]`` that ``queries`` ``[m, heads, dim]`` (post-RoPE, at
+    ``query_positions`` ``[m]``) pay to the ``pi_rows`` of ``keys`` ``[T', kv_heads, dim]``
+    (positions ``0..T'-1``), causally masked."""
+    probe_q = queries.transpose(0, 1)  # [heads, m, dim]
     group = stack.num_heads // stack.num_kv_heads
-    k_all = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, T, dim]
-    logits = torch.matmul(probe_q, k_all.transpose(1, 2)) * stack.scaling
-    future = torch.arange(keys.shape[0])[None, :] > positions[-m:, None]
-    probs = logits.masked_fill(future, -torch.inf).softmax(-1)  # [heads, m, T]
+    k_all = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, T', dim]
+    logits = torch.matmul(probe_q, k_all.transpose(1, 2).to(probe_q.dtype)) * stack.scaling
+    future = torch.arange(keys.shape[0])[None, :] > query_positions[:, None]
+    probs = logits.float().masked_fill(future, -torch.inf).softmax(-1)  # [heads, m, T']
     per_head = probs[:, :, pi_rows].mean(1)  # [heads, n]
     return per_head.view(stack.num_kv_heads, group, -1).mean(1)
+
+
+def question_start(layout: ReuseLayout) -> int:
+    """Where a prompt's question starts: the end of its last reused chunk (of the exact
+    prefix without chunks)."""
+    return layout.chunks[-1].end if layout.chunks else layout.prefix_end
+
+
+def _probe_rows(
+    policy: RecomputePolicy, layout: ReuseLayout, running: torch.Tensor
+) -> torch.Tensor:
+    """Indices into ``running`` whose queries a policy's attention reads: the question's
+    last ``QUESTION_PROBE_TOKENS`` for a question probe (none when the question lies past
+    the loop's range), else the last ``PROBE_TOKENS`` running tokens."""
+    n = int(running.numel())
+    if policy.probe == "question":
+        rows = (running >= question_start(layout)).nonzero().squeeze(1)
+        return rows[-QUESTION_PROBE_TOKENS:]
+    return torch.arange(n - min(PROBE_TOKENS, n), n)
+
+
+class _Lookahead:
+    """Tokens after the loop's range (a question the engine computes itself later), run up
+    to the last check layer so that a question probe can read their queries; their K and V
+    are the loop's own and never reach the cache."""
+
+    def __init__(self, stack: Stack, ids: torch.Tensor, start: int, last_layer: int) -> None:
+        self.stack, self.last_layer = stack, last_layer
+        self.positions = torch.arange(start, start + int(ids.numel()))
+        self.stream = stack.embed(ids.to(stack.device))
+        self.proj: Projection | None = None
+
+    def project(self, layer: int) -> Projection:
+        self.stream, x = self.stack.attention_input(layer, self.stream)
+        self.proj = self.stack.project(layer, x, self.positions)
+        return self.proj
+
+    def finish(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Attention over ``keys``/``values`` (the range's, then the lookahead's own)."""
+        assert self.proj is not None
+        q = self.proj.queries(None).transpose(0, 1)[None]
+        attn = _attend_up_to(
+            q,
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            self.positions,
+            self.stack.scaling,
+        )
+        attn = attn[0].transpose(0, 1).reshape(int(self.positions.numel()), -1)
+        self.stream = self.stack.finish_layer(layer, self.stream, attn)
+
+
+def _attention_of_probe(
+    stack: Stack,
+    policy: RecomputePolicy,
+    layout: ReuseLayout,
+    proj: Projection,
+    running: torch.Tensor,
+    keys: torch.Tensor,
+    pi_rows: torch.Tensor,
+    ahead: Projection | None,
+) -> torch.Tensor:
+    """The attention a policy reads at a check layer: its probe rows' (and the lookahead's,
+    when present) to the running reused tokens; the last running tokens' when a question
+    probe finds no question."""
+    rows = _probe_rows(policy, layout, running)
+    queries, positions = proj.queries(rows), running[rows]
+    if ahead is not None:
+        n_ahead = int(ahead.k.shape[0])
+        ahead_positions = torch.arange(keys.shape[0] - n_ahead, keys.shape[0])
+        queries = torch.cat([queries, ahead.queries(None).to(queries.dtype)])
+        positions = torch.cat([positions, ahead_positions])
+        queries = queries[-QUESTION_PROBE_TOKENS:]
+        positions = positions[-QUESTION_PROBE_TOKENS:]
+    if positions.numel() == 0:
+        n = int(running.numel())
+        rows = torch.arange(n - min(PROBE_TOKENS, n), n)
+        queries, positions = proj.queries(rows), running[rows]
+    return _probe_attention(stack, queries, positions, keys, pi_rows)
 
 
 def _attend_up_to(
@@ -187,13 +277,17 @@ def run_selective(
     *,
     output: bool = True,
     capture: torch.Tensor | None = None,
+    lookahead: torch.Tensor | None = None,
 ) -> LoopResult:
     """Run the layers over ``layout`` (``input_ids`` ``[T]``), recomputing what ``policy``
     selects; fresh K/V land in ``kv``.
 
     ``output`` False skips the last layer's queries, attention and MLP (only its K/V are
     needed when no logits are read). ``capture`` ``[layers, T, kv_heads, head_dim]``
-    receives the pre-RoPE K of every computed row.
+    receives the pre-RoPE K of every computed row. ``lookahead`` ``[m]``: ids of the
+    prompt's tokens after position ``T - 1`` (the question, where the engine computes it
+    itself); a policy probing the question reads their queries at its check layers (they
+    run up to the last one and are not counted as recompute, nor stored).
     """
     tokens = layout.num_tokens
     running = running_at_start(layout, policy, stack.num_layers)
@@ -206,6 +300,10 @@ def run_selective(
         return LoopResult(None, running, computed, recomputed)
     stream = stack.embed(input_ids.to(stack.device)[running])
     last = stack.num_layers - 1
+    ahead: _Lookahead | None = None
+    if lookahead is not None and lookahead.numel() and policy.probe == "question" and checks:
+        last_check = min(max(checks), last)
+        ahead = _Lookahead(stack, lookahead, tokens, last_check)
 
     for index in range(stack.num_layers):
         n = int(running.numel())
@@ -226,6 +324,12 @@ def run_selective(
         keys[running] = proj.k.to(keys.dtype)
         values[running] = proj.v.to(values.dtype)
         kv.commit(index, running, proj.k, proj.v)
+        probe_keys, probe_values = keys, values
+        ahead_proj: Projection | None = None
+        if ahead is not None and index <= ahead.last_layer:
+            ahead_proj = ahead.project(index)
+            probe_keys = torch.cat([keys, ahead_proj.k.to(keys.dtype)])
+            probe_values = torch.cat([values, ahead_proj.v.to(values.dtype)])
         if state_cached is not None:
             at = is_running_pi.nonzero().squeeze(1)
             state = LayerState(
@@ -238,13 +342,17 @@ def run_selective(
                 cached_k=state_cached[0],
                 cached_v=state_cached[1],
                 attention=(
-                    _probe_attention(stack, proj, running, keys, running_pi)
+                    _attention_of_probe(
+                        stack, policy, layout, proj, running, probe_keys, running_pi, ahead_proj
+                    )
                     if policy.wants_attention
                     else None
                 ),
             )
             keep = torch.ones(n, dtype=torch.bool)
             keep[at] = policy.narrow(state)
+        if ahead is not None and index < ahead.last_layer:
+            ahead.finish(index, probe_keys, probe_values)
         if index == last and not output:
             break
 

@@ -117,7 +117,15 @@ def test_paged_kv_reports_its_geometry() -> None:
             {"k_caches": [torch.zeros(3, 4, HEADS, DIM), torch.zeros(2, 4, HEADS, DIM)]},
             "k_caches[1]: shape [2, 4, 2, 8] differs",
         ),
-        ({"k_caches": [torch.zeros(3, 4, DIM, HEADS).transpose(2, 3)] * 2}, "must be contiguous"),
+        (
+            {
+                "k_caches": [
+                    torch.zeros(3, 4, HEADS, DIM),
+                    torch.zeros(3, 4, DIM, HEADS).transpose(2, 3),
+                ]
+            },
+            "k_caches[1]: strides [64, 16, 1, 2] differ from the first cache's [64, 16, 8, 1]",
+        ),
         ({"v_caches": [torch.zeros(3, 4, HEADS, DIM)]}, "v_caches: 1 layers, k_caches has 2"),
         ({"v_caches": [torch.zeros(3, 2, HEADS, DIM)] * 2}, "v_caches[0]: shape [3, 2, 2, 8]"),
         ({"slot_mapping": torch.tensor([0, 1], dtype=torch.int32)}, "slot_mapping: must be"),

@@ -204,6 +204,32 @@ def test_rerope_scatter_layers_one_launch_matches_reference(geometry: str, with_
         _assert_caches(case["v_cache"], v_ref, case["slot_mapping"], None)
 
 
+@pytest.mark.parametrize("source", ["same-start", "tensor"])
+def test_rerope_scatter_layers_from_post_rope_positions_matches_reference(source: str) -> None:
+    # Post-RoPE K (stored form ROPE): a copy at the same positions, one rotation by the
+    # difference elsewhere; the attention scaling (1.2) is never applied again.
+    spec = _spec("full", "neox", scaling=1.2)
+    case = _scatter_case(spec, torch.bfloat16, torch.bfloat16, True, layers=2)
+    k_ref, v_ref = _clone_caches(case["k_cache"]), _clone_caches(case["v_cache"])
+    assert k_ref is not None and v_ref is not None
+    tokens = case["k_nope"].shape[1]
+    to_pos: int | torch.Tensor = 300
+    from_pos: int | torch.Tensor = 300
+    if source == "tensor":
+        to_pos = case["positions"]
+        from_pos = torch.arange(tokens, dtype=torch.int64) * 7 + 2
+    args = (case["k_nope"], case["v"], to_pos, case["slot_mapping"])
+    rerope_scatter_layers_triton(
+        *args, case["k_cache"], case["v_cache"], spec, from_positions=from_pos
+    )
+    rerope_scatter_layers_reference(*args, k_ref, v_ref, spec, from_positions=from_pos)
+    if source == "same-start":  # the reference copies; the kernel's angle-0 rotation too
+        _assert_caches(case["k_cache"], k_ref, case["slot_mapping"], None)
+    else:
+        _assert_caches(case["k_cache"], k_ref, case["slot_mapping"], spec)
+    _assert_caches(case["v_cache"], v_ref, case["slot_mapping"], None)
+
+
 def test_fp32_to_bf16_cache_rounds_to_nearest_even_like_torch() -> None:
     # Angle 0 (position 0) leaves fp32 values as they are, so the cache holds exactly their
     # bf16 rounding: ties go to even, a round-up may carry into the exponent, and

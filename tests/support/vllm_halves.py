@@ -52,8 +52,11 @@ class _Engine:
         seed: int,
         query: str = "?lookup_timeout=300ms",
         blend_unsupported: str | None = None,
+        layout: str = "flash",
         **extra: Any,
     ) -> None:
+        """``layout``: "flash" (FlashAttention's ``[2, blocks, block_size, heads, dim]``) or
+        "cpu" (vLLM's CPU attention pages ``[blocks, heads, block_size, 2 * dim]``)."""
         model = _identity()
         self.config = ConnectorConfig.from_extra_config(
             {"url": f"nopecache://{server.address}{query}", **extra}
@@ -66,8 +69,9 @@ class _Engine:
             prefix_block_tokens=BS,
         )
         gen = torch.Generator().manual_seed(seed)
+        shape = (2, NB, BS, HEADS, DIM) if layout == "flash" else (NB, HEADS, BS, 2 * DIM)
         self.caches = {
-            f"model.layers.{i}.self_attn.attn": torch.randn(2, NB, BS, HEADS, DIM, generator=gen)
+            f"model.layers.{i}.self_attn.attn": torch.randn(*shape, generator=gen)
             for i in reversed(range(LAYERS))  # registration order must not matter
         }
         self.scheduler = SchedulerSide(self.config, model, self.client, blend_unsupported)
@@ -76,6 +80,12 @@ class _Engine:
 
     def cache(self, layer: int) -> torch.Tensor:
         return self.caches[f"model.layers.{layer}.self_attn.attn"]
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a layer as ``[blocks, block_size, heads, dim]`` views (any layout)."""
+        assert self.worker.layout is not None
+        cache = self.cache(layer)
+        return self.worker.layout.k_view(cache), self.worker.layout.v_view(cache)
 
     def step(self, request: Any, block_ids: list[int], computed: int) -> Any:
         """Schedule the whole prompt of ``request`` in one step; run load and save."""

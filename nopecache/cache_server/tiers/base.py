@@ -22,13 +22,14 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 __all__ = [
     "SECRET_QUERY_KEYS",
     "BlobLike",
     "Evicted",
+    "KeepSet",
     "PutResult",
     "PutStatus",
     "Tier",
@@ -48,6 +49,20 @@ BlobLike = bytes | bytearray | memoryview
 
 # Query-string options whose value must never appear in logs, metrics or stats.
 SECRET_QUERY_KEYS = frozenset({"password", "ssl_password", "token"})
+
+
+class KeepSet(Protocol):
+    """Keys a memory tier must not evict (the server's pins); see pins.PinTable."""
+
+    def __len__(self) -> int: ...
+
+    def holds(self, key: bytes) -> bool:
+        """Whether ``key`` is kept now."""
+        ...
+
+    def pinned_keys(self) -> list[bytes]:
+        """Every key that may be kept (a superset of those held now)."""
+        ...
 
 
 class TierError(Exception):
@@ -71,6 +86,8 @@ class PutStatus(enum.Enum):
     TOO_LARGE = "too_large"
     # The tier could not be reached (Redis down or slow); nothing changed.
     UNAVAILABLE = "unavailable"
+    # Room could only be made by evicting pinned blocks (pins.py): nothing was evicted.
+    FULL = "full"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +139,8 @@ class Tier(ABC):
     # Whether every blob this tier returns was put by this process (after the service
     # checked it). An untrusted tier's reads are checked again by the store.
     trusted: ClassVar[bool] = True
+    # Keys this tier must not evict nor expire (the server's pins); None: none.
+    keep: KeepSet | None = None
 
     @property
     @abstractmethod
@@ -162,6 +181,17 @@ class Tier(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Release memory and connections; later operations raise TierClosedError."""
+
+    async def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
+        """Every stored key starting with ``prefix`` (b"": all); an admin flush's scan."""
+        raise NotImplementedError(f"{self.name} tier: keys_with_prefix")
+
+    async def hold(self, keys: Sequence[bytes], held: bool) -> None:
+        """Keep ``keys`` from expiring while ``held`` (a pin), or let them expire again.
+
+        Memory tiers ask their ``keep`` predicate at eviction time instead: nothing to do.
+        """
+        return None
 
     async def contains(self, key: bytes) -> bool:
         """Whether ``key`` is present."""

@@ -50,6 +50,7 @@ from nopecache.cache_server.sizes import SizeError, parse_size
 from nopecache.cache_server.tiers.base import (
     BlobLike,
     Evicted,
+    KeepSet,
     PutResult,
     PutStatus,
     Tier,
@@ -121,9 +122,25 @@ class PageTable:
         self.index[key] = placement
         return placement
 
-    def pop_lru(self) -> tuple[bytes, Placement]:
-        """Unindex the least recently used block; its pages stay owned until ``release``."""
-        return self.index.popitem(last=False)
+    def pop_lru(self, keep: KeepSet | None = None) -> tuple[bytes, Placement]:
+        """Unindex the least recently used block that ``keep`` does not hold; its pages
+        stay owned until ``release``. The caller checked that such a block exists."""
+        if keep is None or not len(keep):
+            return self.index.popitem(last=False)
+        # Pinned blocks stay at the LRU end; there are few, so skipping them is cheap.
+        for key in self.index:
+            if not keep.holds(key):
+                return key, self.index.pop(key)
+        raise RuntimeError("pop_lru: every block is kept")
+
+    def kept_pages(self, keep: KeepSet) -> int:
+        """Pages owned by blocks ``keep`` holds (O(number of kept keys))."""
+        index = self.index
+        return sum(
+            self.pages_for(index[key].size)
+            for key in keep.pinned_keys()
+            if key in index and keep.holds(key)
+        )
 
     def release(self, placement: Placement) -> None:
         """Return a block's pages to the free stack (ascending pops preserved)."""
@@ -154,6 +171,8 @@ class PagedTier(Tier):
         # Capacity is rounded down to whole pages, so the pool never exceeds what was asked.
         self._table = PageTable(capacity_bytes // page_bytes, page_bytes)
         self._closed = False
+        # Blocks never evicted while it holds them (the server's PinTable); None: none.
+        self.keep: KeepSet | None = None
 
     @property
     def url(self) -> str:
@@ -248,9 +267,18 @@ class PagedTier(Tier):
         need = table.pages_for(len(src))
         if need > table.n_pages:
             return PutResult(PutStatus.TOO_LARGE)
+        keep = self.keep
+        # Checked before evicting anything: a put that cannot fit leaves the tier as it was.
+        if (
+            keep is not None
+            and len(keep)
+            and table.free_pages < need
+            and table.n_pages - table.kept_pages(keep) < need
+        ):
+            return PutResult(PutStatus.FULL)
         evicted: list[Evicted] = []
         while table.free_pages < need:
-            old_key, old = table.pop_lru()
+            old_key, old = table.pop_lru(keep)
             # Read before release: the pages are about to be overwritten by the new block.
             evicted.append(Evicted(old_key, self._read(old) if keep_evicted else None))
             table.release(old)
@@ -276,6 +304,11 @@ class PagedTier(Tier):
                 self._table.release(placement)
             removed.append(placement is not None)
         return removed
+
+    async def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
+        """Every stored key starting with ``prefix``."""
+        self._check_open()
+        return [key for key in self._table.index if key.startswith(prefix)]
 
     def placement(self, key: bytes) -> Placement | None:
         """Where ``key`` lives in the pool (introspection; no recency change)."""

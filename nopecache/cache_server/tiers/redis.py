@@ -65,6 +65,7 @@ from redis.backoff import AbstractBackoff, ExponentialBackoff, NoBackoff
 from nopecache.cache_server.sizes import SizeError, parse_size
 from nopecache.cache_server.tiers.base import (
     BlobLike,
+    KeepSet,
     PutResult,
     PutStatus,
     Tier,
@@ -175,6 +176,8 @@ class RedisTier(Tier):
         self._client = client
         self._url = redact_url(url)
         self._ttl = ttl_seconds
+        # Keys stored without a TTL while it holds them (the server's pins); None: none.
+        self.keep: KeepSet | None = None
         self._capacity = capacity_bytes
         self._blob_limit = MAX_VALUE_BYTES if max_blob_bytes is None else max_blob_bytes
         self._prefix = prefix
@@ -340,8 +343,11 @@ class RedisTier(Tier):
         else:
             value = _compress(blob)
 
+        keep = self.keep
+        ttl = None if keep is not None and len(keep) and keep.holds(key) else self._ttl
+
         async def op() -> PutStatus:
-            done = await self._client.set(self._prefix + key, value, nx=True, ex=self._ttl)
+            done = await self._client.set(self._prefix + key, value, nx=True, ex=ttl)
             return PutStatus.STORED if done else PutStatus.ALREADY_PRESENT
 
         return PutResult(await self._guard("put", op, PutStatus.UNAVAILABLE))
@@ -362,6 +368,33 @@ class RedisTier(Tier):
             return [bool(n) for n in await pipe.execute()]
 
         return await self._guard("delete", op, [False] * len(keys))
+
+    async def hold(self, keys: Sequence[bytes], held: bool) -> None:
+        """PERSIST ``keys`` while pinned; EXPIRE them with the tier's TTL when released."""
+        if not keys or self._ttl is None:
+            return
+        ttl = self._ttl
+
+        async def op() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                if held:
+                    pipe.persist(self._prefix + key)
+                else:
+                    pipe.expire(self._prefix + key, ttl)
+            await pipe.execute()
+
+        await self._guard("pin" if held else "unpin", op, None)
+
+    async def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
+        """SCAN for the stored keys starting with ``prefix`` (every cluster primary)."""
+        pattern = _glob_escape(self._prefix + prefix) + b"*"
+        cut = len(self._prefix)
+
+        async def op() -> list[bytes]:
+            return [k[cut:] async for k in self._client.scan_iter(match=pattern, count=1000)]
+
+        return await self._guard("scan", op, [])
 
     async def stats(self) -> TierStats:
         """INFO memory and DBSIZE (summed over cluster primaries); also probes health."""
@@ -398,7 +431,13 @@ class RedisTier(Tier):
         if self._closed:
             return
         self._closed = True
-        await self._client.aclose()
+        try:
+            await self._client.aclose()
+        except (rex.RedisError, OSError) as exc:
+            # Closing is shutdown: a connection that cannot close in time (a write queued
+            # to a Redis that reads nothing, a loop stalled past the timeout) is dropped
+            # and logged, never an error that stops the rest of the shutdown.
+            log.warning("redis tier %s: connections dropped on close: %r", self._url, exc)
 
     async def _decompress_all(self, raws: Sequence[bytes | None]) -> list[bytes | None]:
         """Decompress each value; None for a miss or a damaged frame."""
@@ -417,6 +456,16 @@ class RedisTier(Tier):
             keys[0].hex(),
         )
         await self.delete_many(keys)
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    """``raw`` with Redis glob metacharacters escaped (keys are binary)."""
+    out = bytearray()
+    for byte in raw:
+        if byte in b"*?[]\\":
+            out.append(0x5C)
+        out.append(byte)
+    return bytes(out)
 
 
 def _compress(blob: BlobLike) -> bytes:

@@ -4,7 +4,9 @@ The connector reads and writes token slots (``slot = block_id * block_size + off
 only through a :class:`KVLayout`, which turns a layer's cache tensor into two strided
 views ``[num_blocks, block_size, kv_heads, head_dim]`` (K and V) over the same memory, so
 a write lands exactly where the backend's attention kernel reads, with no copy of the
-cache. Two layouts are known:
+cache; :meth:`KVLayout.paged` hands those views to the client as its one paged-cache
+type (``PagedKV``), so fetched blocks are placed straight into vLLM's pages. Two layouts
+are known:
 
 CPU attention backend (``CPU_ATTN``), per layer ``[num_blocks, kv_heads, block_size,
 2 * head_dim]``. Each (block, head) page holds K transposed, then V::
@@ -30,10 +32,12 @@ unknown layout is a start-up error, never silently garbled KV.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from nopecache.client.placement import PagedKV
 from nopecache.integrations.vllm.errors import UnsupportedLayoutError
 
 __all__ = [
@@ -66,6 +70,17 @@ class KVLayout(ABC):
     @abstractmethod
     def check(self, layer: str, cache: torch.Tensor) -> None:
         """Raise UnsupportedLayoutError unless ``cache`` has this layout."""
+
+    def paged(self, caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor) -> PagedKV:
+        """The client's paged-cache contract over every layer's cache (views, no copy).
+
+        ``slot_mapping``: int64, the slot of every prompt position, -1 where nothing is
+        to be written. A fetch ``into=`` it lands each block in vLLM's own pages through
+        the fused re-RoPE scatter kernel API.
+        """
+        return PagedKV(
+            [self.k_view(c) for c in caches], [self.v_view(c) for c in caches], slot_mapping
+        )
 
     def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(torch.int64)

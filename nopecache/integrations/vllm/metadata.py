@@ -82,6 +82,8 @@ class StepReport:
     loaded_pi_tokens: int = 0
     loaded_bytes: int = 0
     load_seconds: float = 0.0
+    fetched_bytes: int = 0  # block bytes the client's fetches received
+    fetch_seconds: float = 0.0  # those fetches, placement into vLLM's cache included
     load_errors: int = 0  # blocks reported to vLLM as failed loads
     saved_tokens: int = 0
     save_dropped: int = 0  # stores the client's queue refused

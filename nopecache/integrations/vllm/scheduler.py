@@ -37,14 +37,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from nopecache.client.chunking import ChunkSpan
+from nopecache.client.chunking import ChunkSpan, token_array
 from nopecache.client.errors import NopecacheError
 from nopecache.client.plan import ReusePlan
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.blend import blend_claim_end, blend_layout, blend_pays
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
+from nopecache.integrations.vllm.events import AnnouncedBlocks
 from nopecache.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan, StepReport
+from nopecache.integrations.vllm.rates import MeasuredRates
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import BlockHash
@@ -56,7 +58,6 @@ __all__ = [
     "Claim",
     "ConnectorTotals",
     "SchedulerSide",
-    "StoredBlocks",
     "claim_end",
     "trim_plan",
 ]
@@ -72,9 +73,6 @@ SCHEDULER_COUNTERS = (
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown in vLLM's log
 
-# Before any step report: a conservative CPU prefill rate (the claim pays in any case
-# unless fetches are slow).
-_DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 _SALT = b"nopecache-approximate-kv:"
 
 
@@ -139,15 +137,6 @@ class Claim:
     approximate_from: int | None = None  # blend: first position the layer loop computes
 
 
-@dataclass(frozen=True, slots=True)
-class StoredBlocks:
-    """Blocks this engine made available in the shared cache (for a KV event)."""
-
-    block_hashes: tuple[BlockHash, ...]  # vLLM's own block hashes
-    token_ids: tuple[int, ...]
-    block_size: int
-
-
 @dataclass(slots=True)
 class _Tracked:
     request: Request  # for its block hashes
@@ -180,8 +169,11 @@ class SchedulerSide:
         model: ModelIdentity,
         client: CacheClient | None,
         blend_unsupported: str | None = None,
+        announced: AnnouncedBlocks | None = None,
     ) -> None:
         """A scheduler half using ``client`` (None: the connector loads nothing).
+
+        ``announced``: where stored blocks are announced for KV events (events.py).
 
         ``blend_unsupported``: why the engine cannot run blend mode (then it claims
         prefixes only and counts the requests that lost a blend claim).
@@ -194,13 +186,13 @@ class SchedulerSide:
         self._claims: dict[str, Claim] = {}
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
-        self._events: list[StoredBlocks] = []
-        # vLLM block hashes announced as stored and not yet seen gone (for BlockRemoved).
-        self._advertised: set[BlockHash] = set()
-        self._removed: list[BlockHash] = []
+        # Blocks announced in KV events, and their withdrawals (events.py).
+        self.announced = AnnouncedBlocks(clear_all=False) if announced is None else announced
         self._salted: dict[str, int] = {}  # request -> first block salted
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
+        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
+        self.rates = MeasuredRates(model.num_layers, per_token * model.dtype.itemsize)
 
     # -- claims -----------------------------------------------------------------------
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -254,12 +246,13 @@ class SchedulerSide:
             return prefix
         layout = blend_layout(plan, start, end)
         fraction = self.policy.planned_fraction(layout, self.model.num_layers)
-        if not blend_pays(
+        prefill_rate = self.rates.prefill_tokens_per_s()  # None: not measured enough yet
+        if prefill_rate is not None and not blend_pays(
             layout,
             fraction,
-            prefill_tokens_per_s=self._prefill_rate(),
-            fetch_s=self._fetch_s(layout.num_pi),
-            loop_tokens_per_s=self._loop_rate(),
+            prefill_tokens_per_s=prefill_rate,
+            fetch_s=self.rates.fetch_s(layout.num_pi),
+            loop_tokens_per_s=self.rates.loop_tokens_per_s(),
         ):
             log.info(
                 "nopecache: %s: blend claim [%d, %d) does not pay (%d reused of %d, "
@@ -290,32 +283,6 @@ class SchedulerSide:
             approximate_from=approximate_from,
         )
 
-    def _prefill_rate(self) -> float:
-        """vLLM's prefill rate, tokens/s, from the workers' reports (a default before any)."""
-        report = self.totals.report
-        if report.computed_tokens and report.forward_seconds > 0:
-            return report.computed_tokens / report.forward_seconds
-        return _DEFAULT_PREFILL_TOKENS_PER_S
-
-    def _loop_rate(self) -> float | None:
-        """The layer loop's rate in whole tokens (all layers) per second, once measured."""
-        report = self.totals.report
-        if report.blend_token_layers and report.blend_seconds > 0:
-            return report.blend_token_layers / self.model.num_layers / report.blend_seconds
-        return None
-
-    def _fetch_s(self, tokens: int) -> float:
-        """Seconds to fetch ``tokens`` tokens of KV at the client's observed rate (0 before
-        any fetch: the lookup's cost filter already dropped hits slower than recompute)."""
-        if self.client is None:
-            return 0.0
-        stats = self.client.stats()
-        if not stats.fetched_bytes or stats.fetch_seconds <= 0:
-            return 0.0
-        per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
-        nbytes = tokens * per_token * self.model.dtype.itemsize
-        return nbytes * stats.fetch_seconds / stats.fetched_bytes
-
     def claim_is_async(self, req_id: str) -> bool:
         """Whether the pending claim of ``req_id`` loads in the background (blend: never,
         its layer loop must run right before the step's forward)."""
@@ -324,13 +291,10 @@ class SchedulerSide:
 
     def _note_gone(self, request: Request, found_blocks: int, looked_up_blocks: int) -> None:
         """Announced blocks a lookup no longer finds were evicted: report them removed."""
-        if not self._advertised:
+        if not len(self.announced):
             return
         hashes = (compat.block_hashes(request) or [])[found_blocks:looked_up_blocks]
-        gone = [h for h in hashes if h in self._advertised]
-        if gone:
-            self._advertised.difference_update(gone)
-            self._removed.extend(gone)
+        self.announced.gone_hashes(hashes)
 
     def after_alloc(self, request: Request, block_ids: Sequence[int], num_external: int) -> None:
         """Record the blocks vLLM allocated; queue a load when tokens were claimed."""
@@ -396,9 +360,8 @@ class SchedulerSide:
         whole = end // bs
         hashes = tuple((compat.block_hashes(tracked.request) or [])[:whole])
         tokens = tracked.tokens[:end]
-        if whole:
-            self._events.append(StoredBlocks(hashes, tokens[: whole * bs], bs))
-        self._advertised.update(hashes)
+        if hashes and self.client is not None:
+            self.announced.stored(hashes, self.block_keys(tokens[: len(hashes) * bs]), tokens, bs)
         return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: -(-end // bs)]))
 
     def build_step(self, scheduler_output: SchedulerOutput) -> StepPlan:
@@ -420,9 +383,8 @@ class SchedulerSide:
         """Fold the workers' account of a step into the totals and the cost model."""
         if report is None:
             return
-        # Steps follow one another: their forward times sum (the longest of them would put
-        # a lifetime of tokens over one step's time, and no blend claim would pay).
         self.totals.report = self.totals.report.add(report)
+        self.rates.observe(report)
         if self.client is not None and report.computed_tokens and report.forward_seconds > 0:
             self.client.observe_prefill(report.computed_tokens, report.forward_seconds)
 
@@ -440,12 +402,12 @@ class SchedulerSide:
         self._reported = now
         return delta
 
-    def take_stored(self) -> list[StoredBlocks]:
-        """Blocks stored since the last call (for vLLM KV events)."""
-        events, self._events = self._events, []
-        return events
-
-    def take_removed(self) -> list[BlockHash]:
-        """vLLM hashes of announced blocks found evicted since the last call."""
-        removed, self._removed = self._removed, []
-        return removed
+    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """The cache keys of the whole blocks of ``tokens`` (prefix mode, vLLM's blocks)."""
+        if self.client is None:
+            return []
+        keying = self.client.core.keying
+        chain, _ = keying.keys(
+            token_array(tokens), self.config.namespace, keying.chunker, prefix=True, pi=False
+        )
+        return [bytes(chunk.key) for chunk in chain]

@@ -196,18 +196,37 @@ class WorkerSide:
             self._report.load_errors += len(blocks)
             self._report.failed_requests.append(spec.req_id)
 
+    def _slot_mapping(self, spec: LoadSpec) -> torch.Tensor:
+        """Slots of the claimed positions ``[start, end)``, -1 everywhere else (vLLM's own
+        prefix before, the unclaimed rest after: neither is fetched nor written)."""
+        slots = torch.full((spec.plan.num_tokens,), -1, dtype=torch.int64)
+        bs = self.model.block_size
+        slots[spec.start : spec.end] = torch.tensor(
+            slots_for(list(spec.block_ids), bs, spec.start, spec.end), dtype=torch.int64
+        )
+        return slots.to(self.caches[0].device)
+
     def _load_one(self, spec: LoadSpec) -> None:
         claimed = range(spec.start, spec.end)
         if self.client is None or self.layout is None:
             self._fail(spec, claimed)
             return
+        # Every block lands in vLLM's pages through the client's paged contract and the
+        # fused re-RoPE scatter: no whole-plan tensor, no second copy.
+        into = self.layout.paged(self.caches, self._slot_mapping(spec))
+        started = time.perf_counter()
         try:
-            result = self.client.fetch(spec.plan, spec.tokens)
+            result = self.client.fetch(spec.plan, spec.tokens, into=into)
+            if result.ready is not None:
+                result.ready.synchronize()  # placed before vLLM's forward reads the pages
         except NopecacheError as err:
             log.warning("nopecache fetch for %s failed: %s", spec.req_id, err)
             self._fail(spec, claimed)
             return
-        assert result.k is not None and result.v is not None
+        if result.nbytes:  # the scheduler's cost check prices fetches with these
+            with self._lock:
+                self._report.fetched_bytes += result.nbytes
+                self._report.fetch_seconds += time.perf_counter() - started
         if spec.blend:
             self._blend_one(spec, result)
             return
@@ -222,30 +241,21 @@ class WorkerSide:
                 spec.req_id,
             )
             self._fail(spec, range(min(missing), spec.end))
-        bs = self.model.block_size
-        slots = torch.tensor(
-            [spec.block_ids[p // bs] * bs + p % bs for p in claimed], dtype=torch.int64
-        )
-        keep = torch.nonzero(mask).flatten()
-        slots = slots[keep]
-        rows = keep + spec.start
-        for layer, cache in enumerate(self.caches):
-            self.layout.write(cache, slots, result.k[layer, rows], result.v[layer, rows])
         with self._lock:
             self._report.loaded_exact_tokens += spec.exact_tokens
             self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
             self._report.loaded_bytes += result.nbytes
 
     def _blend_one(self, spec: LoadSpec, result: FetchResult) -> None:
-        """Place the loaded hits of ``[start, end)``, then run the layer loop over it."""
-        assert self.layout is not None and result.k is not None and result.v is not None
-        loaded = result.mask
-        layout = blend_layout(spec.plan, spec.start, spec.end, loaded)
+        """Run the layer loop over ``[start, end)``, whose loaded hits the fetch placed.
+
+        The fetch wrote every hit of the range into its slots; a hit that did not load
+        whole is a miss in the layout, so the loop computes its rows and overwrites them.
+        """
+        assert self.layout is not None
+        layout = blend_layout(spec.plan, spec.start, spec.end, result.mask)
         bs = self.model.block_size
         slots = torch.tensor(slots_for(list(spec.block_ids), bs, 0, spec.end), dtype=torch.int64)
-        rows = torch.nonzero(layout.reused_mask()[spec.start :]).flatten() + spec.start
-        for layer, cache in enumerate(self.caches):
-            self.layout.write(cache, slots[rows], result.k[layer, rows], result.v[layer, rows])
         computed_from = layout.prefix_end  # what vLLM recomputes if the loop cannot run
         if self.blend_stack is None:
             self._blend_failed(spec, computed_from, self.blend_unavailable or "no model")
@@ -254,8 +264,16 @@ class WorkerSide:
         kv = PagedLayerKV(self.layout, self.caches, slots)
         started = time.perf_counter()
         try:
+            # The prompt past the claim (the question) for a policy that reads it.
+            question = torch.tensor(spec.tokens[spec.end :], dtype=torch.int64)
             run = run_selective(
-                self.blend_stack, kv, ids, layout, self.config.policy(), output=False
+                self.blend_stack,
+                kv,
+                ids,
+                layout,
+                self.config.policy(),
+                output=False,
+                lookahead=question,
             )
         except Exception as err:  # never wrong KV: vLLM recomputes past the exact part
             log.exception("nopecache: blend loop for %s failed", spec.req_id)

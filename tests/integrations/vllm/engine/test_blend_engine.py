@@ -10,7 +10,9 @@ One scenario, in order, fp32, one real nopecache server (engines start once, ~30
   3. ALL answers the report prompt again: the connector claims everything up to the
      system prompt's end (the report as misses, the system prompt position-independent),
      the layer loop recomputes every token, and the logprobs equal the baseline's
-     within fp32 rounding (the loop is vLLM's arithmetic).
+     within fp32 rounding (the loop is vLLM's arithmetic). The reused rows landed through
+     the fused kernel API (calls logged in ALL's worker by tests/support/kernel_probe),
+     as nope K rotated to their new positions.
   4. A answers the report prompt with its default policy: the same claim, the system
      prompt's tokens reused position-independently (a share recomputed), an answer.
   5. vLLM's prefix cache and blending together: A's next report prompt gets no local
@@ -33,6 +35,7 @@ import pytest
 from nopecache.proto import cache_pb2, cache_pb2_grpc
 from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
 from tests.support.engine_proc import EngineFactory
+from tests.support.kernel_probe import KernelProbe
 from tests.support.redis_procs import free_ports
 from tests.support.server_procs import CacheServerProc, wait_stored
 
@@ -68,6 +71,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     proc.start()
     yield proc
     proc.kill()
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> KernelProbe:
+    """Logs the placement kernel's calls in the engines started with its env."""
+    return KernelProbe(tmp_path_factory.mktemp("probe") / "kernel.log")
 
 
 @pytest.fixture(scope="module")
@@ -135,18 +144,19 @@ def _run(engine: Any, prompt: list[int]) -> dict[str, Any]:
 
 
 def test_uncached_report_is_the_baseline(
-    engines: EngineFactory, server: CacheServerProc, state: dict[str, Any]
+    engines: EngineFactory, server: CacheServerProc, probe: KernelProbe, state: dict[str, Any]
 ) -> None:
     every = engines(
         dtype="float32",
         connector=_connector(server, recompute_policy="first_k", recompute_budget=1.0, save=False),
+        env=probe.env(),
     )
     prompt = _report_prompt(every, "Which fact of yours helps a passenger of line 3 most?")
     sys_start, sys_end = _system_span(prompt)
     assert sys_start > 600 and sys_end - sys_start > 2 * BLOCK
     base = _run(every, prompt)
     assert base["cached"] == 0 and base["ids"]
-    state.update(every=every, prompt=prompt, base=base, span=(sys_start, sys_end))
+    state.update(every=every, prompt=prompt, base=base, span=(sys_start, sys_end), probe=probe)
 
 
 def test_chat_with_system_prompt_first_is_stored(
@@ -181,6 +191,9 @@ def test_all_recompute_blend_equals_vllms_own_logits(state: dict[str, Any]) -> N
     assert _delta(after, before, "pi_token_layers") == reused * LAYERS
     assert _delta(after, before, "recomputed_token_layers") == reused * LAYERS
     assert _delta(after, before, "blend_fallbacks") == 0
+    # The reused rows, and nothing else, landed through the kernel API: nope K rotated.
+    placed = state["probe"].take()
+    assert placed["nope"] == reused and placed["same"] == placed["moved"] == 0
     assert out["ids"] == base["ids"]
     worst = 0.0
     for mine, ref in zip(out["logprobs"], base["logprobs"], strict=True):
@@ -260,6 +273,9 @@ def test_blend_after_an_exact_prefix_local_or_loaded(state: dict[str, Any]) -> N
     reused = _delta(after, before, "loaded_pi_tokens")
     assert reused >= claim - sys_start
     assert _delta(after, before, "blend_miss_tokens") == claim - exact - reused
+    # Exact blocks copied at their positions, reused chunks rotated: all through the kernel.
+    placed = state["probe"].take()
+    assert (placed["same"], placed["nope"], placed["moved"]) == (exact, reused, 0)
     assert out["ids"] == base["ids"]
     worst = max(
         abs(mine[t] - ref[t])

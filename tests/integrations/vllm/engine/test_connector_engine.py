@@ -7,7 +7,9 @@ fp32 (every output must equal vLLM's plain no-cache output token for token):
      are the baselines. The server starts; A32 answers the system prompt + question 1
      and stores it.
   2. a fresh engine B32 answers the system prompt + question 2: the connector claims the
-     system prompt's whole blocks, output identical to the baseline.
+     system prompt's whole blocks, each placed through the fused kernel API (its calls
+     logged in B32's worker by tests/support/kernel_probe) as a copy at its own
+     positions, output identical to the baseline.
   3. every stored value is corrupted in Redis: B32's next claim fails verification, the
      blocks are reported as load errors, vLLM recomputes, output identical.
   4. the server hangs, then dies: requests complete uncached, outputs identical.
@@ -30,6 +32,7 @@ import pytest
 
 from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
 from tests.support.engine_proc import EngineFactory, common_prefix
+from tests.support.kernel_probe import KernelProbe
 from tests.support.redis_procs import RedisProc, free_ports
 from tests.support.server_procs import CacheServerProc
 
@@ -94,6 +97,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis: RedisProc) -> Any:
 
 
 @pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> KernelProbe:
+    """Logs the placement kernel's calls in the engines started with its env."""
+    return KernelProbe(tmp_path_factory.mktemp("probe") / "kernel.log")
+
+
+@pytest.fixture(scope="module")
 def state() -> dict[str, Any]:
     """What the ordered tests hand each other (engines, prompts, baselines)."""
     return {}
@@ -108,7 +117,11 @@ def _metric(engine: Any, name: str) -> float:
 
 
 def test_fp32_server_down_then_shared(
-    engines: EngineFactory, server: CacheServerProc, redis: RedisProc, state: dict[str, Any]
+    engines: EngineFactory,
+    server: CacheServerProc,
+    redis: RedisProc,
+    probe: KernelProbe,
+    state: dict[str, Any],
 ) -> None:
     a32 = engines(dtype="float32", connector=_connector(server))
     prompts = [_chat(a32, q) for q in QUESTIONS]
@@ -124,11 +137,14 @@ def test_fp32_server_down_then_shared(
     assert a32.generate(prompts[0], max_tokens=12)["ids"] == baseline[0]
     _wait_stored(redis, len(prompts[0]) // BLOCK)
 
-    b32 = engines(dtype="float32", connector=_connector(server))
+    b32 = engines(dtype="float32", connector=_connector(server), env=probe.env())
     out = b32.generate(prompts[1], max_tokens=12)
     claim = _expected_claim(prompts[0], prompts[1])
     assert claim >= 3 * BLOCK
     assert out["cached"] == claim
+    # Every claimed token landed through the kernel API, one call per block, as a copy of
+    # post-RoPE K at its own positions (bit exact): no other placement path ran.
+    assert probe.take() == {"same": claim, "calls": claim // BLOCK}
     assert _metric(b32, "loaded_exact_tokens") == claim
     assert _metric(b32, "claimed_exact_tokens") == claim
     assert out["ids"] == baseline[1]

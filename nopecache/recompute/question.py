@@ -1,0 +1,155 @@
+"""Recompute chosen by the question: rank reused tokens by what the question reads of them.
+
+The deviation policies of ``policies.py`` rank a reused token by how far its cached K/V
+drifted from the fresh one; a token can drift a lot and matter little to this prompt.
+:class:`QuestionAware` ranks by relevance instead (ProphetKV's idea): at an early check
+layer the *question* (every token after the last reused chunk: the user's question, the
+newest turn) attends over the prompt, and the reused tokens it attends to most are the
+ones worth recomputing. Optionally the attention is weighted by the token's V (or K and
+V) drift at that layer, which estimates the change the stale token causes in the
+question's attention output (``attention * |V fresh - V cached|``).
+
+It is paid out of the same budget with the same accounting as every other policy:
+the same :class:`~nopecache.recompute.policies.Schedule` as
+``selective(budget, check_layer=..., start=...)`` (chunk-start tokens, candidates run up
+to the check layer, the budget left keeps the best), so ``recompute_fraction`` and
+``budget_error_pp`` mean what they mean for the others. Only the ranking differs.
+
+The question's queries come from the selective loop (``selective.run_selective``): in the
+transformers adapter the question is inside the prefill (its misses run at every layer);
+in vLLM's blend loop the claimed range ends before the question, so the loop runs the
+question's tokens up to the check layer on the side (``lookahead``), reads their
+attention, and drops them (vLLM computes them itself in its forward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from nopecache.client.errors import InvalidArgumentError
+from nopecache.recompute.policies import (
+    LayerState,
+    Probe,
+    RecomputePolicy,
+    ReuseLayout,
+    Schedule,
+    Selective,
+    head_deviation,
+    top_share,
+)
+
+__all__ = ["HEADS", "QUESTION_SCORES", "QuestionAware", "question", "question_scores"]
+
+QuestionScore = Literal["attention", "attention_v", "attention_kv"]
+"""``attention``: the question's mean attention to the token; ``attention_v`` /
+``attention_kv``: that times the L2 drift of the token's V (or K and V) at the check layer."""
+
+QUESTION_SCORES: tuple[QuestionScore, ...] = ("attention", "attention_v", "attention_kv")
+
+Heads = Literal["mean", "max"]
+"""How the KV heads' scores combine: their sum (``mean``), or the largest (``max``: a token
+one head reads hard is kept even if the others ignore it)."""
+
+HEADS: tuple[Heads, ...] = ("mean", "max")
+
+
+def question_scores(state: LayerState, score: QuestionScore, heads: Heads) -> torch.Tensor:
+    """Rank ``[n]`` of the running reused tokens (higher = recompute first)."""
+    if state.attention is None:
+        raise InvalidArgumentError("state.attention", "a question score needs the attention")
+    per_head = state.attention.float()  # [kv_heads, n]
+    if score != "attention":
+        per_head = per_head * head_deviation(state, "v" if score == "attention_v" else "kv").sqrt()
+    return per_head.sum(0) if heads == "mean" else per_head.amax(0)
+
+
+@dataclass(frozen=True, slots=True)
+class QuestionAware(RecomputePolicy):
+    """Chunk-start tokens (a ``start`` share of the budget), then the candidates the
+    question attends to most at ``check_layer`` (see the module doc)."""
+
+    budget: float
+    check_layer: int = 1
+    score: QuestionScore = "attention"
+    start: float = 0.0
+    heads: Heads = "mean"
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        # The budget, check layer and start share are validated as Selective's.
+        plan = Selective(self.budget, self.check_layer, "v", self.start)
+        object.__setattr__(self, "budget", plan.budget)
+        if self.check_layer is None:
+            raise InvalidArgumentError("check_layer", "the question is read at a check layer")
+        if self.score not in QUESTION_SCORES:
+            raise InvalidArgumentError(
+                "score", f"must be one of {QUESTION_SCORES}, got {self.score!r}"
+            )
+        if self.heads not in HEADS:
+            raise InvalidArgumentError("heads", f"must be one of {HEADS}, got {self.heads!r}")
+
+    @property
+    def name(self) -> str:
+        """The label, else ``question(budget,start[,layer=][,score][,max])``."""
+        if self.label:
+            return self.label
+        extra = "".join(
+            (
+                f",layer={self.check_layer}" if self.check_layer != 1 else "",
+                f",{self.score}" if self.score != "attention" else "",
+                ",max" if self.heads == "max" else "",
+            )
+        )
+        return f"question({self.budget:g},{self.start:g}{extra})"
+
+    @property
+    def wants_attention(self) -> bool:
+        """True: the ranking is the question's attention."""
+        return True
+
+    @property
+    def probe(self) -> Probe:
+        """The question's tokens."""
+        return "question"
+
+    def _plan(self) -> Selective:
+        return Selective(self.budget, self.check_layer, "v", self.start)
+
+    def schedule(self, layout: ReuseLayout, num_layers: int) -> Schedule:
+        """Selective's schedule for this budget, check layer and start share."""
+        return self._plan().schedule(layout, num_layers)
+
+    def check_layers(self) -> frozenset[int]:
+        """The check layer."""
+        return frozenset({self.check_layer})
+
+    def narrow(self, state: LayerState) -> torch.Tensor:
+        """Keep the chunk-start tokens and the candidates the question reads most."""
+        plan = self.schedule(state.layout, state.num_layers)
+        if plan.check_layer != state.layer:
+            return torch.ones(state.running.shape, dtype=torch.bool)
+        pinned = plan.start[state.running]
+        scores = question_scores(state, self.score, self.heads).masked_fill(pinned, -math.inf)
+        return top_share(scores, plan.keep) | pinned
+
+
+def question(
+    budget: float,
+    start: float = 0.0,
+    *,
+    check_layer: int = 1,
+    score: QuestionScore = "attention",
+    heads: Heads = "mean",
+) -> QuestionAware:
+    """Recompute chosen by the question's attention (see :class:`QuestionAware`)."""
+    return QuestionAware(budget, check_layer, score, start, heads)
+
+
+def question_default(budget: float) -> QuestionAware:
+    """The question-aware setting tuned on bench/quality.py's tuning half (what the engines'
+    ``recompute_policy="question"`` names)."""
+    return question(budget, 0.5)
