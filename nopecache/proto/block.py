@@ -55,7 +55,7 @@ import enum
 import struct
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -495,7 +495,7 @@ def validate(blob: BytesLike, *, max_payload_bytes: int | None = None) -> BlockH
     return header
 
 
-def build_block(
+def _header_of(
     *,
     key: bytes,
     fingerprint: bytes,
@@ -505,14 +505,11 @@ def build_block(
     v_head_dim: int,
     token_ids: Sequence[int],
     payload: BytesLike | Sequence[BytesLike],
-    source_positions: Sequence[int] | None = None,
-    compression: str = "none",
-) -> bytes:
-    """A blob from the raw uncompressed payload (K then V), computing checksum and sizes.
-
-    ``payload`` may be given in parts (K bytes, V bytes): they are checksummed where they
-    lie and copied once, into the blob.
-    """
+    source_positions: Sequence[int] | None,
+    compression: str,
+) -> tuple[BlockHeader, list[memoryview], int]:
+    """The validated header of a payload given in parts, the parts as byte views, and
+    the payload size (checksummed where the parts lie)."""
     if isinstance(payload, bytes | bytearray | memoryview):
         payload = [payload]
     parts = [memoryview(p).cast("B") for p in payload]
@@ -538,6 +535,39 @@ def build_block(
         compression=compression,
         payload_nbytes=nbytes,
     )
+    return header, parts, nbytes
+
+
+def build_block(
+    *,
+    key: bytes,
+    fingerprint: bytes,
+    form: StoredForm,
+    dtype: str,
+    shape: tuple[int, int, int, int],
+    v_head_dim: int,
+    token_ids: Sequence[int],
+    payload: BytesLike | Sequence[BytesLike],
+    source_positions: Sequence[int] | None = None,
+    compression: str = "none",
+) -> bytes:
+    """A blob from the raw uncompressed payload (K then V), computing checksum and sizes.
+
+    ``payload`` may be given in parts (K bytes, V bytes): they are checksummed where they
+    lie and copied once, into the blob.
+    """
+    header, parts, nbytes = _header_of(
+        key=key,
+        fingerprint=fingerprint,
+        form=form,
+        dtype=dtype,
+        shape=shape,
+        v_head_dim=v_head_dim,
+        token_ids=token_ids,
+        payload=payload,
+        source_positions=source_positions,
+        compression=compression,
+    )
     if compression == "lz4":
         if nbytes > LZ4_MAX_INPUT:
             raise BlockSizeError(f"payload: {nbytes} bytes is over lz4's {LZ4_MAX_INPUT} limit")
@@ -545,6 +575,49 @@ def build_block(
         packed = lz4.block.compress(whole, store_size=False)
         return _frame(header, [packed], len(packed))
     return _frame(header, parts, nbytes)
+
+
+def build_block_into(
+    take: Callable[[int], memoryview],
+    *,
+    key: bytes,
+    fingerprint: bytes,
+    form: StoredForm,
+    dtype: str,
+    shape: tuple[int, int, int, int],
+    v_head_dim: int,
+    token_ids: Sequence[int],
+    payload: BytesLike | Sequence[BytesLike],
+    source_positions: Sequence[int] | None = None,
+) -> memoryview:
+    """``build_block``'s uncompressed blob, written into ``take(size)`` (a view of exactly
+    ``size`` writable bytes): the payload is copied once, into memory the caller reuses,
+    so a hot path pays no page faults for a fresh blob. Returns that view, filled."""
+    header, parts, nbytes = _header_of(
+        key=key,
+        fingerprint=fingerprint,
+        form=form,
+        dtype=dtype,
+        shape=shape,
+        v_head_dim=v_head_dim,
+        token_ids=token_ids,
+        payload=payload,
+        source_positions=source_positions,
+        compression="none",
+    )
+    hb = _encode_header(header, nbytes)
+    start = payload_offset(len(hb))
+    out = take(start + nbytes)
+    if out.nbytes != start + nbytes:
+        raise BlockSizeError(f"take: gave {out.nbytes} bytes, the blob needs {start + nbytes}")
+    PREFIX.pack_into(out, 0, MAGIC, len(hb), xxhash.xxh3_64_intdigest(hb))
+    out[PREFIX.size : PREFIX.size + len(hb)] = hb
+    out[PREFIX.size + len(hb) : start] = bytes(start - PREFIX.size - len(hb))
+    offset = start
+    for part in parts:
+        out[offset : offset + part.nbytes] = part
+        offset += part.nbytes
+    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from nopecache.client.buffers import BufferPool
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.keyed_blocks import KeyedBlockClient, StoreStatus
 from nopecache.client.keys import engine_page_key
@@ -49,7 +50,7 @@ from nopecache.integrations.sglang import compat
 from nopecache.integrations.sglang.config import BackendConfig, SGLangConfigError
 from nopecache.integrations.sglang.identity import page_fingerprint
 from nopecache.integrations.sglang.pages import PageOrder, PagePool, PoolGeometry
-from nopecache.proto.block import BlockError, StoredForm, build_block, validate
+from nopecache.proto.block import BlockError, StoredForm, build_block_into, validate
 
 __all__ = ["NopecacheStorage"]
 
@@ -82,6 +83,9 @@ class NopecacheStorage(HiCacheStorage):
         self._prefetch_gbps: list[float] = []
         self._backup_gbps: list[float] = []
         self._stored_keys: dict[bytes, None] = {}  # insertion-ordered: oldest first
+        # Blobs are encoded into reused buffers: a fresh one per page would fault its
+        # pages in on every store (the copy into it ran at a quarter of memcpy's speed).
+        self._blobs = BufferPool()
 
     # -- set-up -----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -133,10 +137,11 @@ class NopecacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     # -- store ------------------------------------------------------------------------
-    def _encode(self, key: bytes, order: PageOrder, parts: Sequence[torch.Tensor]) -> bytes:
+    def _encode(self, key: bytes, order: PageOrder, parts: Sequence[torch.Tensor]) -> memoryview:
         g = self.geometry
         fp = self.fingerprint(order)
-        return build_block(
+        return build_block_into(
+            self._blobs.take,
             key=key,
             fingerprint=fp.to_bytes(),
             form=StoredForm.ENGINE_PAGE,
@@ -166,7 +171,12 @@ class NopecacheStorage(HiCacheStorage):
                 (block_keys[i], self._encode(block_keys[i], order, page))
                 for i, page in zip(missing, parts(missing), strict=True)
             ]
-            for i, result in zip(missing, self.client.put(blobs), strict=True):
+            try:
+                results = self.client.put(blobs)
+            finally:
+                for _, blob in blobs:
+                    self._blobs.give(blob)
+            for i, result in zip(missing, results, strict=True):
                 ok[i] = result.status in _STORED
             self._remember([block_keys[i] for i in missing if ok[i]])
         self._record(self._backup_pages, self._backup_gbps, len(keys), start)
