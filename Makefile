@@ -110,7 +110,7 @@ test-vllm: vllm redis-server
 
 # SGLang's own classes on CPU: the HiCache storage backend loaded by SGLang's factory, pages
 # between two real host pools through a real server (and the bench's --quick run).
-test-sglang: sglang redis-server
+test-sglang: sglang
 	$(SGLANG_BIN)/python -m pytest tests/integrations/sglang
 
 # The demo on vLLM: one nopecache server, two vLLM engines (examples/demo_vllm.py).
