@@ -20,7 +20,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_BIN := $(SGLANG_VENV)/bin
 SGLANG_STAMP := $(SGLANG_VENV)/.nopecache-installed
 
-.PHONY: all venv vllm sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-sglang bench-quick proto redis-server lock clean gpu-check image test-image
+.PHONY: all venv vllm dynamo sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-sglang bench-quick proto redis-server lock clean gpu-check image test-image
 
 all: test
 
@@ -59,6 +59,17 @@ $(SGLANG_STAMP): pyproject.toml requirements-sglang.txt constraints/sglang.txt
 	touch $@
 
 sglang: $(SGLANG_STAMP)
+
+# Dynamo's standalone KV indexer (a router-side consumer of vLLM's KV events) for the
+# events test; an environment of its own (its runtime pins differ from vLLM's).
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_STAMP := $(DYNAMO_VENV)/.nopecache-installed
+$(DYNAMO_STAMP):
+	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install -q ai-dynamo-runtime==1.6.1 pyzmq msgspec
+	touch $@
+
+dynamo: $(DYNAMO_STAMP)
 
 # Regenerates constraints/*.txt: both environments resolved afresh, then frozen.
 lock:
@@ -105,7 +116,7 @@ test-image: venv
 	PYTHON=$(BIN)/python $(BIN)/python deploy/image/check_image.py
 
 # The tests that run a real vLLM: two engines sharing KV through a real server.
-test-vllm: vllm redis-server
+test-vllm: vllm redis-server dynamo
 	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python -m pytest tests/integrations/vllm/engine
 
 # SGLang's own classes on CPU: the HiCache storage backend loaded by SGLang's factory, pages
@@ -166,4 +177,4 @@ proto: venv
 	$(BIN)/python -m nopecache.proto.generate
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache
