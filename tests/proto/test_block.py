@@ -553,3 +553,34 @@ def test_decode_of_read_only_bytes_emits_no_warning(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "torch.Size([2, 3, 2, 4]) torch.Size([2, 3, 2, 4])\n"
+
+
+def test_build_block_into_writes_build_blocks_bytes_into_the_given_buffer() -> None:
+    """The engine-page form: opaque bytes, no V (v_head_dim 0), token ids unknown (zeros)."""
+    from nopecache.proto.block import build_block, build_block_into
+
+    k = bytes(range(256)) * 6  # 2 layers x 4 tokens x 3 heads x 32 dims x 2 bytes
+    args: dict[str, Any] = dict(
+        key=b"k" * 16,
+        fingerprint=b"fp",
+        form=StoredForm.ENGINE_PAGE,
+        dtype="bfloat16",
+        shape=(2, 4, 3, 32),
+        v_head_dim=0,
+        token_ids=(0, 0, 0, 0),
+        payload=[k[:700], k[700:]],
+    )
+    taken: list[int] = []
+    arena = bytearray(8192)
+
+    def take(size: int) -> memoryview:
+        taken.append(size)
+        return memoryview(arena)[:size]
+
+    blob = build_block_into(take, **args)
+    assert bytes(blob) == build_block(**args)
+    assert taken == [blob.nbytes]
+    header = validate(blob)
+    assert header.form is StoredForm.ENGINE_PAGE and header.v_shape is None
+    with pytest.raises(BlockHeaderError, match="v_head_dim"):
+        build_block(**{**args, "v_head_dim": -1})
