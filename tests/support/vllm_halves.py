@@ -55,10 +55,12 @@ class _Engine:
         query: str = "?lookup_timeout=300ms",
         blend_unsupported: str | None = None,
         layout: str = "flash",
+        device: str = "cpu",
         **extra: Any,
     ) -> None:
         """``layout``: "flash" (FlashAttention's ``[2, blocks, block_size, heads, dim]``) or
-        "cpu" (vLLM's CPU attention pages ``[blocks, heads, block_size, 2 * dim]``)."""
+        "cpu" (vLLM's CPU attention pages ``[blocks, heads, block_size, 2 * dim]``); the
+        caches live on ``device``."""
         model = _identity()
         self.config = ConnectorConfig.from_extra_config(
             {"url": f"nopecache://{server.address}{query}", **extra}
@@ -73,7 +75,7 @@ class _Engine:
         gen = torch.Generator().manual_seed(seed)
         shape = (2, NB, BS, HEADS, DIM) if layout == "flash" else (NB, HEADS, BS, 2 * DIM)
         self.caches = {
-            f"model.layers.{i}.self_attn.attn": torch.randn(*shape, generator=gen)
+            f"model.layers.{i}.self_attn.attn": torch.randn(*shape, generator=gen).to(device)
             for i in reversed(range(LAYERS))  # registration order must not matter
         }
         self.scheduler = SchedulerSide(self.config, model, self.client, blend_unsupported)
