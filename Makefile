@@ -15,7 +15,7 @@ VLLM_STAMP := $(VLLM_VENV)/.nopecache-installed
 # The SmolLM2 folder vLLM loads, converted once by the main environment.
 VLLM_MODEL = $$($(BIN)/python -m tests.support.local_model)
 
-.PHONY: all venv vllm demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-quick proto redis-server lock clean gpu-check
+.PHONY: all venv vllm dynamo demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-quick proto redis-server lock clean gpu-check image test-image
 
 all: test
 
@@ -42,6 +42,17 @@ $(VLLM_STAMP): pyproject.toml requirements-vllm.txt constraints/vllm.txt
 vllm: $(VLLM_STAMP) venv
 	$(BIN)/python -m tests.support.local_model
 
+# Dynamo's standalone KV indexer (a router-side consumer of vLLM's KV events) for the
+# events test; an environment of its own (its runtime pins differ from vLLM's).
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_STAMP := $(DYNAMO_VENV)/.nopecache-installed
+$(DYNAMO_STAMP):
+	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install -q ai-dynamo-runtime==1.6.1 pyzmq msgspec
+	touch $@
+
+dynamo: $(DYNAMO_STAMP)
+
 # Regenerates constraints/*.txt: both environments resolved afresh, then frozen.
 lock:
 	rm -rf .lock && mkdir .lock
@@ -63,14 +74,26 @@ lint: venv
 
 typecheck: venv
 	$(BIN)/mypy -p nopecache -p tests
-	$(BIN)/mypy examples deploy/healthcheck.py $(wildcard bench/*.py)
+	$(BIN)/mypy examples deploy/healthcheck.py deploy/image/check_image.py $(wildcard bench/*.py)
 
 test: venv redis-server lint typecheck
 	$(BIN)/python -m pytest
 	$(MAKE) test-vllm
+	$(MAKE) test-image
+
+# The server image (deploy/Dockerfile) with whichever builder works here: docker, podman or
+# buildah; the host's pip settings go in as build secrets (deploy/image/build.sh).
+image: venv
+	PYTHON=$(BIN)/python deploy/image/build.sh $(IMAGE)
+
+# Builds the image, runs nopecache-server from it, stores and fetches a block from the host,
+# checks the health probe and the non-root user, removes all it made; without a builder it
+# says it skipped and why (deploy/image/check_image.py).
+test-image: venv
+	PYTHON=$(BIN)/python $(BIN)/python deploy/image/check_image.py
 
 # The tests that run a real vLLM: two engines sharing KV through a real server.
-test-vllm: vllm redis-server
+test-vllm: vllm redis-server dynamo
 	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python -m pytest tests/integrations/vllm/engine
 
 # The demo on vLLM: one nopecache server, two vLLM engines (examples/demo_vllm.py).
@@ -117,4 +140,4 @@ proto: venv
 	$(BIN)/python -m nopecache.proto.generate
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache

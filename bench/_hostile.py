@@ -11,7 +11,10 @@ Tenants (bearer tokens, one tokens file for the server, see :func:`tokens_toml`)
 Measured: the victim's Lookup latency (p99), what the gamer really holds against its
 quota (its keys a Lookup finds, each counted in whole tier pages, sampled all along; the
 largest sample over the quota is ``quota_overrun``), and how the attack went (bombs
-refused, streams cut). Every loop is bounded by the phase's end time.
+refused, streams cut). The attackers of issue 25 (floods of calls, connections and bulk
+sockets, slow-loris Puts, budget squatters, idle bulk buffers, and clients connecting
+during all that) are in _attackers.py and run in the same phase. Every loop is bounded
+by the phase's end time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import grpc
 import xxhash
+from _attackers import FULL, QUICK, FloodReport, attackers, tenants_toml
 
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
@@ -51,7 +55,7 @@ def tokens_toml() -> str:
         f'[tenants.good]\ntokens = ["{GOOD}"]\n'
         f'[tenants.victim]\ntokens = ["{VICTIM}"]\n'
         f'[tenants.evil]\ntokens = ["{EVIL}"]\nquota = "{EVIL_QUOTA}"\n'
-        f'[tenants.gamer]\ntokens = ["{GAMER}"]\nquota = "{GAMER_QUOTA}"\n'
+        f'[tenants.gamer]\ntokens = ["{GAMER}"]\nquota = "{GAMER_QUOTA}"\n' + tenants_toml()
     )
 
 
@@ -138,6 +142,8 @@ class AttackReport:
     """What the hostile phase measured."""
 
     victim_ms: list[float] = field(default_factory=list)
+    victim_failed: int = 0
+    flood: FloodReport = field(default_factory=FloodReport)
     gamer_peak_bytes: int = 0
     bombs_refused: int = 0
     bombs_stored: int = 0
@@ -146,14 +152,19 @@ class AttackReport:
     filler_errors: int = 0
     notes: list[str] = field(default_factory=list)
 
+    def victim_ok_share(self) -> float:
+        """The share of the victim's Lookups that succeeded."""
+        total = len(self.victim_ms) + self.victim_failed
+        return len(self.victim_ms) / total if total else 0.0
+
     def quota_overrun(self) -> float:
         """The gamer's largest real holding over its quota."""
         return self.gamer_peak_bytes / GAMER_QUOTA
 
 
-async def victim_process(address: str, seconds: float) -> list[float]:
+async def victim_process(address: str, seconds: float) -> tuple[list[float], int]:
     """Run ``victim`` in a process of its own (so the hostile clients' work in this one
-    cannot delay it) for ``seconds``; its Lookup latencies in ms."""
+    cannot delay it) for ``seconds``; its Lookup latencies in ms and its failed Lookups."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         __file__,
@@ -164,8 +175,8 @@ async def victim_process(address: str, seconds: float) -> list[float]:
     out, _ = await proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"victim process exited with {proc.returncode}")
-    latencies: list[float] = json.loads(out.decode().splitlines()[-1])
-    return latencies
+    result = json.loads(out.decode().splitlines()[-1])
+    return list(result["ms"]), int(result["failed"])
 
 
 async def victim(address: str, end: float, report: AttackReport) -> None:
@@ -177,7 +188,12 @@ async def victim(address: str, end: float, report: AttackReport) -> None:
         packed = b"".join(mine)
         while time.monotonic() < end:
             started = time.perf_counter()
-            await stub.Lookup(pb.LookupRequest(keys=packed), timeout=30)
+            try:
+                await stub.Lookup(pb.LookupRequest(keys=packed), timeout=30)
+            except grpc.aio.AioRpcError:
+                report.victim_failed += 1
+                await asyncio.sleep(0.01)
+                continue
             report.victim_ms.append(1000 * (time.perf_counter() - started))
             await asyncio.sleep(0.002)
 
@@ -299,13 +315,14 @@ async def quota_game(address: str, end: float, report: AttackReport) -> None:
 BOMB = (key("bomb", 0), block(key("bomb", 0), 128 * MiB, compression="lz4", fill=b"\0"))
 
 
-async def attack(address: str, seconds: float) -> AttackReport:
-    """Run every hostile client, the filler and the victim for ``seconds``."""
+async def attack(address: str, seconds: float, *, quick: bool = False) -> AttackReport:
+    """Run every hostile client, the filler and the victim for ``seconds`` (``quick``:
+    a handful of each flooding attacker)."""
     report = AttackReport()
     end = time.monotonic() + seconds
 
     async def victim_task() -> None:
-        report.victim_ms = await victim_process(address, seconds)
+        report.victim_ms, report.victim_failed = await victim_process(address, seconds)
 
     tasks = [
         victim_task(),
@@ -317,6 +334,9 @@ async def attack(address: str, seconds: float) -> AttackReport:
     ]
     names = ["victim", "filler", "bombs", "quota_game", *["slow_put"] * SLOW_PUTS]
     names += ["slow_get"] * SLOW_GETS
+    for name, work in attackers(address, end, report.flood, QUICK if quick else FULL):
+        names.append(name)
+        tasks.append(work)
     results = await asyncio.gather(*tasks, return_exceptions=True)
     for name, r in zip(names, results, strict=True):
         if isinstance(r, BaseException):
@@ -326,7 +346,8 @@ async def attack(address: str, seconds: float) -> AttackReport:
 
 async def victim_alone(address: str, seconds: float) -> list[float]:
     """The victim's Lookup latencies with nothing else running (the baseline)."""
-    return await victim_process(address, seconds)
+    latencies, _ = await victim_process(address, seconds)
+    return latencies
 
 
 if __name__ == "__main__":
@@ -334,4 +355,4 @@ if __name__ == "__main__":
     _report = AttackReport()
     _end = time.monotonic() + float(sys.argv[2])
     asyncio.run(victim(sys.argv[1], _end, _report))
-    print(json.dumps(_report.victim_ms))
+    print(json.dumps({"ms": _report.victim_ms, "failed": _report.victim_failed}))

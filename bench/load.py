@@ -32,13 +32,19 @@ divided by idle RSS + capacity + ``max_inflight_bytes`` (target <= 1.10);
 ``victim_p99_ms`` the victim's Lookup p99 during the attack (target <= 50), beside its
 p99 alone before anything else ran (``victim_alone_p99_ms``, the baseline);
 ``quota_overrun`` the gamer's largest real holding (its blocks a Lookup finds, in whole
-pages) over its quota (target <= 1.0).
+pages) over its quota (target <= 1.0). The attackers of issue 25 run in the same phase
+(``bench/_attackers.py``: a tokenless Watch flood, an idle-connection flood, slow-loris
+Puts at 256 streams, budget squatters, bulk squatters, idle bulk connections):
+``victim_ok_share`` is the share of the victim's Lookups that succeed (target >= 0.99)
+and ``new_client_ok_share`` the share of clients connecting during the attack whose
+Lookup succeeds (target >= 0.99).
 
 Last line::
 
     RESULT ops=... ops_per_s=... p50_ms=... p99_ms=... errors=... rss_mib=...
            capacity_mib=... rss_over_capacity=... hostile_rss_over_budget=...
            victim_p99_ms=... victim_alone_p99_ms=... quota_overrun=...
+           victim_ok_share=... new_client_ok_share=...
 """
 
 from __future__ import annotations
@@ -82,6 +88,8 @@ RESULT_KEYS = (
     "victim_p99_ms",
     "victim_alone_p99_ms",
     "quota_overrun",
+    "victim_ok_share",
+    "new_client_ok_share",
 )
 
 TASKS = 64
@@ -94,6 +102,8 @@ INFLIGHT_BYTES = 384 * 1024 * 1024
 SERVER_LIMITS = (
     *("--max-request-bytes", "64MiB", "--max-inflight-bytes", str(INFLIGHT_BYTES)),
     *("--max-inflight-bytes-per-client", "128MiB", "--stream-idle-timeout-s", "3"),
+    # Short enough that the idle-connection flood meets it within the hostile phase.
+    *("--connection-idle-timeout-s", "5"),
 )
 
 
@@ -281,7 +291,7 @@ async def main_async(args: argparse.Namespace) -> int:
             alone = await victim_alone(server.address, args.alone_seconds)
             elapsed = await run_load(server.address, load)
             load_peak = peak[0]
-            hostile = await attack(server.address, args.attack_seconds)
+            hostile = await attack(server.address, args.attack_seconds, quick=args.quick)
             stop.set()
             await sampler
             after = rss_bytes(pid)
@@ -314,6 +324,15 @@ async def main_async(args: argparse.Namespace) -> int:
         f"{peak[0] / mib:.0f} MiB (load phase {load_peak / mib:.0f} MiB) against "
         f"{bound / mib:.0f} MiB (idle + capacity + max_inflight_bytes)"
     )
+    flood = hostile.flood
+    print(
+        f"  floods: victim {hostile.victim_failed} failed lookups; watches held "
+        f"{flood.watches_held}; idle connections held {flood.idle_held} (closed by the "
+        f"server {flood.idle_closed_by_server}); slow-loris cut {flood.loris_cut}; "
+        f"squatters cut {flood.squat_cut}; bulk squatters closed {flood.bulk_squat_closed}; "
+        f"idle bulk connections {flood.idle_bulk_opened}; new clients {flood.new_ok} ok "
+        f"{flood.new_failed} failed"
+    )
     for note in hostile.notes[:10]:
         print(f"  hostile: {note}")
     print(
@@ -325,7 +344,9 @@ async def main_async(args: argparse.Namespace) -> int:
         f"hostile_rss_over_budget={peak[0] / bound:.3f} "
         f"victim_p99_ms={pct_ms(hostile.victim_ms, 0.99):.2f} "
         f"victim_alone_p99_ms={pct_ms(alone, 0.99):.2f} "
-        f"quota_overrun={hostile.quota_overrun():.3f}"
+        f"quota_overrun={hostile.quota_overrun():.3f} "
+        f"victim_ok_share={hostile.victim_ok_share():.3f} "
+        f"new_client_ok_share={hostile.flood.new_client_ok_share():.3f}"
     )
     return 0
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -57,8 +56,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 from _blend_shapes import SHAPES, Message, Shape  # noqa: E402
 from _demo_scenario import chat_prompt  # noqa: E402
 from _vllm_measure import kl_top1  # noqa: E402
+from _vllm_procs import Started, bench_processes  # noqa: E402
 
-from tests.support.engine_proc import EngineConfig, EngineProc, stop_all  # noqa: E402
+from tests.support.engine_proc import EngineConfig, EngineProc  # noqa: E402
+from tests.support.machine import core_for  # noqa: E402
 from tests.support.redis_procs import free_ports  # noqa: E402
 from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E402
 
@@ -234,20 +235,15 @@ def run_shape(
     return result
 
 
-def _start_all(configs: dict[str, EngineConfig], work: Path) -> dict[str, EngineProc]:
+def _start_all(configs: dict[str, EngineConfig], work: Path, started: Started) -> None:
     """Start the engines side by side (each start is ~30 s, much of it waiting on disk)."""
-    procs = {name: EngineProc(cfg, work / f"{name}.log") for name, cfg in configs.items()}
-    try:
-        for proc in procs.values():
-            proc.launch()
-        for proc in procs.values():
-            proc.wait_ready()
-            # First requests allocate: keep them out of the numbers.
-            proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
-    except BaseException:
-        stop_all(list(procs.values()), timeout_s=5.0)  # building engines: see main's finally
-        raise
-    return procs
+    for name, cfg in configs.items():
+        started.engine(name, EngineProc(cfg, work / f"{name}.log")).launch()
+    started.announce()
+    for proc in started.engines.values():
+        proc.wait_ready()
+        # First requests allocate: keep them out of the numbers.
+        proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
 
 
 def _ms(seconds: Sequence[float] | float) -> str:
@@ -335,8 +331,6 @@ def main() -> None:
         f"{QUICK_ANSWER}-token answers",
     )
     args = parser.parse_args()
-    # A SIGTERM unwinds like Ctrl-C: the finally below stops every engine and the server.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model = args.model or os.environ.get("NOPECACHE_VLLM_MODEL")
     if not model:
@@ -357,22 +351,28 @@ def main() -> None:
         shapes = [replace(shortest, questions=shortest.questions[:1])]
         args.rounds, max_answer = 1, QUICK_ANSWER
     work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-blend-"))
-    server = CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=2GiB&pinned=no",))
-    url = f"nopecache://{server.address}"
-    seg: dict[str, Any] = {"url": url, "segment_token_ids": [IM_START]}
-    configs = {
-        "store": EngineConfig(model=model, connector=seg),
-        "blend": EngineConfig(
-            model=model, connector={**seg, **blend_extra(args.pi_reuse, args.policy, args.budget)}
-        ),
-        "prefix": EngineConfig(model=model, connector={**seg, "pi_reuse": "off", "save": False}),
-        "ref": EngineConfig(model=model),
-    }
-    procs: dict[str, EngineProc] = {}
-    finished = False
-    try:
+    # Cores: the storing engine on the first, the three measured engines (their TTFTs are
+    # compared) on the second, so they have the same share of the machine; they answer
+    # one at a time (round robin over the allowed cores: one core on a 1-core machine).
+    storing, measured = core_for(0), core_for(1)
+    with bench_processes(engines=4) as started:
+        server = started.server(
+            CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=2GiB&pinned=no",))
+        )
+        url = f"nopecache://{server.address}"
+        seg: dict[str, Any] = {"url": url, "segment_token_ids": [IM_START]}
+        blend = {**seg, **blend_extra(args.pi_reuse, args.policy, args.budget)}
+        configs = {
+            "store": EngineConfig(model=model, connector=seg, cpu=storing),
+            "blend": EngineConfig(model=model, connector=blend, cpu=measured),
+            "prefix": EngineConfig(
+                model=model, connector={**seg, "pi_reuse": "off", "save": False}, cpu=measured
+            ),
+            "ref": EngineConfig(model=model, cpu=measured),
+        }
         server.start()
-        procs = _start_all(configs, work)
+        _start_all(configs, work, started)
+        procs = started.engines
         engines = Engines(procs["store"], procs["blend"], procs["prefix"], procs["ref"])
         print(f"engines ready (logs in {work})", flush=True)
         results = []
@@ -386,16 +386,6 @@ def main() -> None:
                 flush=True,
             )
             results.append(result)
-        finished = True
-    finally:
-        # The stop is bounded (stop_all kills an engine that does not quit in time): a
-        # second Ctrl-C or SIGTERM must not cut it short and leave processes behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # On a failure or a signal, engines still building would not read their closed
-        # stdin for a while: a short grace, then they are killed.
-        stop_all(list(procs.values()), timeout_s=30.0 if finished else 5.0)
-        server.stop()
     print_table(results, args.pi_reuse)
     fields = " ".join(f"{k}={v:.4f}" for k, v in summary(results).items())
     print(f"RESULT {fields}")

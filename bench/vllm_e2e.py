@@ -34,10 +34,8 @@ stored_prefix_tokens=... pi_claimed_tokens=... pi_top1=... pi_kl=...``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,13 +48,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _vllm_measure import kl_top1  # noqa: E402
+from _vllm_procs import Started, bench_processes  # noqa: E402
 
-from tests.support.engine_proc import (  # noqa: E402
-    EngineConfig,
-    EngineProc,
-    common_prefix,
-    stop_all,
-)
+from tests.support.engine_proc import EngineConfig, EngineProc, common_prefix  # noqa: E402
+from tests.support.machine import core_for  # noqa: E402
 from tests.support.redis_procs import free_ports  # noqa: E402
 from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E402
 
@@ -234,8 +229,11 @@ def truncated_history(
     }
 
 
-def lmcache_peer(model: str, overlay: Path, work: Path) -> tuple[subprocess.Popen[bytes], Pair]:
-    """LMCache's multiprocess server and two engines with its connector (a running Pair)."""
+def lmcache_peer(
+    model: str, overlay: Path, work: Path, cpus: tuple[int, int], started: Started
+) -> Pair:
+    """LMCache's multiprocess server (running, registered in ``started``) and two engines
+    with its connector (not launched yet) on the cores ``cpus`` (store, load)."""
     port, http_port = free_ports(2)
     env = {**os.environ, "PYTHONPATH": str(overlay), "LMCACHE_DISABLE_BANNER": "1"}
     cmd = [sys.executable, str(overlay / "bin" / "lmcache"), "server", "--host", "127.0.0.1"]
@@ -243,9 +241,11 @@ def lmcache_peer(model: str, overlay: Path, work: Path) -> tuple[subprocess.Pope
     cmd += ["--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", str(http_port)]
     cmd += ["--supported-transfer-mode", "auto", "--shm-name", f"nopecache-bench-{port}"]
     with (work / "lmcache-server.log").open("wb") as log:
-        # Its own process group: stop_group() ends whatever the server started too.
-        server = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        # Its own process group: the bench's stop ends whatever the server started too.
+        started.group(
+            subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         )
     time.sleep(5)  # the server binds its ports
     extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
@@ -257,24 +257,13 @@ def lmcache_peer(model: str, overlay: Path, work: Path) -> tuple[subprocess.Pope
                 connector_class="LMCacheMPConnector",
                 connector_module=None,
                 env={"PYTHONPATH": str(overlay), "LMCACHE_DISABLE_BANNER": "1"},
+                cpu=cpu,
             ),
             work / f"lmcache-{name}.log",
         )
-        for name in ("store", "load")
+        for name, cpu in zip(("store", "load"), cpus, strict=True)
     )
-    return server, (store, load, None)
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM a child's process group, SIGKILL it after 30 s (a peer server's workers)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=30)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    return store, load, None
 
 
 def main() -> None:
@@ -295,32 +284,44 @@ def main() -> None:
         sys.exit("set NOPECACHE_VLLM_MODEL (make bench does) or pass --model")
     if args.peer == "lmcache" and not (args.lmcache_overlay / "bin" / "lmcache").is_file():
         sys.exit(f"--peer lmcache needs LMCache in {args.lmcache_overlay} (see the docstring)")
-    # A SIGTERM unwinds like Ctrl-C: the finally below stops every process started here.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-bench-"))
-    server = CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=1GiB&pinned=no",))
-    url = f"nopecache://{server.address}"
     seg = {"segment_token_ids": [IM_START]}
-    engines = {
-        "store": EngineConfig(model=model, connector={"url": url, **seg}),
-        "load": EngineConfig(
-            model=model,
-            connector={"url": url, "save": False, "pi_reuse": "contiguous", **seg},
-        ),
-        "ref": EngineConfig(model=model),
-    }
-    procs = {name: EngineProc(cfg, work / f"{name}.log") for name, cfg in engines.items()}
-    pairs: dict[str, Pair] = {"nopecache": (procs["store"], procs["load"], server.address)}
-    peer_server = None
-    finished = False
-    try:
+    # Cores: the storing engines and the reference on the first, both measured ("load")
+    # engines on the second (round robin over the allowed cores, so the same core on a
+    # 1-core machine). Every ratio is one engine's cold against its own cached runs, and
+    # nopecache's and LMCache's measured engines have the same share of the machine; the
+    # measured engines run one at a time, never beside each other.
+    storing, measured = core_for(0), core_for(1)
+    with bench_processes(engines=5 if args.peer else 3) as started:
+        server = started.server(
+            CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=1GiB&pinned=no",))
+        )
+        url = f"nopecache://{server.address}"
+        engines = {
+            "store": EngineConfig(model=model, connector={"url": url, **seg}, cpu=storing),
+            "load": EngineConfig(
+                model=model,
+                connector={"url": url, "save": False, "pi_reuse": "contiguous", **seg},
+                cpu=measured,
+            ),
+            "ref": EngineConfig(model=model, cpu=storing),
+        }
+        procs = {
+            name: started.engine(name, EngineProc(cfg, work / f"{name}.log"))
+            for name, cfg in engines.items()
+        }
+        pairs: dict[str, Pair] = {"nopecache": (procs["store"], procs["load"], server.address)}
         server.start()
         if args.peer == "lmcache":
-            peer_server, pairs["lmcache"] = lmcache_peer(model, args.lmcache_overlay, work)
-            procs["lmcache-store"], procs["lmcache-load"] = pairs["lmcache"][:2]
+            pairs["lmcache"] = lmcache_peer(
+                model, args.lmcache_overlay, work, (storing, measured), started
+            )
+            procs["lmcache-store"] = started.engine("lmcache-store", pairs["lmcache"][0])
+            procs["lmcache-load"] = started.engine("lmcache-load", pairs["lmcache"][1])
         # Side by side: an engine start is ~30 s, much of it waiting on disk.
         for proc in procs.values():
             proc.launch()
+        started.announce()
         for name, proc in procs.items():
             proc.wait_ready()
             proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
@@ -335,18 +336,6 @@ def main() -> None:
             result["lmcache_claimed_tokens"] = peer["claimed_tokens"]
             # Target <= 0.35: nopecache's cached TTFT over LMCache's, same prompts, same run.
             result["cached_vs_lmcache"] = result["ttft_cached_ms"] / peer["ttft_cached_ms"]
-        finished = True
-    finally:
-        # The stop is bounded (stop_all kills an engine that does not quit in time): a
-        # second Ctrl-C or SIGTERM must not cut it short and leave processes behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # On a failure or a signal, engines still building would not read their closed
-        # stdin for a while: a short grace, then they are killed.
-        stop_all(list(procs.values()), timeout_s=30.0 if finished else 5.0)
-        server.stop()
-        if peer_server is not None:
-            stop_group(peer_server)
     fields = " ".join(
         f"{k}={v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{k}={int(v)}"
         for k, v in result.items()

@@ -67,6 +67,7 @@ from _demo_server import DemoError, embedded_server  # noqa: E402
 
 from nopecache.recompute.policies import DEFAULT_BUDGET, DEFAULT_POLICY_NAME  # noqa: E402
 from tests.support.engine_proc import EngineConfig, EngineError, EngineProc, stop_all  # noqa: E402
+from tests.support.machine import require_memory  # noqa: E402
 from tests.support.proc_groups import interrupt_on_signals, stop_groups, stopping  # noqa: E402
 from tests.support.server_procs import wait_stored  # noqa: E402
 
@@ -128,10 +129,15 @@ def engines(
         ),
     ]
     interrupted = False
+    require_memory(len(procs))  # a clear error, not an engine OOM-killed halfway
     try:
         for n, proc in enumerate(procs, 1):
             proc.launch()
-            _say(n, f"pid {proc.pid}: vLLM is loading SmolLM2-135M-Instruct (log: {proc.log_path})")
+            _say(
+                n,
+                f"pid {proc.pid}, core {proc.cpu}: vLLM is loading SmolLM2-135M-Instruct "
+                f"(log: {proc.log_path})",
+            )
         for n, proc in enumerate(procs, 1):
             proc.wait_ready()
             proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)

@@ -7,6 +7,8 @@ never executed.
     cache_server       never imports client, kernels, recompute or an integration
     client             never imports cache_server or an integration
     recompute          imports no integration and no cache_server
+    admin              (nopecache-admin) a client of the wire contract: never imports
+                       cache_server, recompute or an integration
     integrations/X     imports no other integration
     an engine          (vllm, sglang) is imported only inside integrations/<engine>/, and
                        in integrations/vllm/ at run time only by connector.py, metrics.py
@@ -29,6 +31,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "cache_server": ("client", "kernels", "recompute", "integrations"),
     "client": ("cache_server", "integrations"),
     "recompute": ("cache_server", "integrations"),
+    "admin": ("cache_server", "recompute", "integrations"),
 }
 # Layers that import nothing of nopecache but themselves.
 LEAVES = ("kernels", "proto")

@@ -235,6 +235,7 @@ class AdminService:
             affected = [tenant]
         keys = await self._store.keys_with_prefix(prefix)
         deleted = await self._store.delete(keys) if keys else 0
+        self._kv.removals.cleared(prefix)
         unpinned = self._pins.unpin([k for k in self._pins.pinned_keys() if k.startswith(prefix)])
         for tenant in affected:
             self._kv.quotas.release(tenant, [k for k, _ in self._kv.quotas.charges(tenant)])

@@ -269,6 +269,12 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | Au
     return token
 
 
+UNCOUNTED_METHODS = frozenset({"WatchRemovals"})
+"""Streams open for a client's whole life (a watch): authenticated and tagged with the
+tenant, but not counted in flight: counted, one would hold a stream slot for good and keep
+every Drain waiting on a call that never ends."""
+
+
 class ClientLimiter:
     """Counts in-flight calls per client and refuses those over the limit."""
 
@@ -403,6 +409,11 @@ class RequestGate(grpc.aio.ServerInterceptor):
                 limiter.release(client)
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if method in UNCOUNTED_METHODS:
+                CURRENT_TENANT.set(tenant)
+                async for message in inner(request, context):
+                    yield message
+                return
             client = await enter(context)
             try:
                 messages = inner(request, context)

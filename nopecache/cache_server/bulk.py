@@ -18,8 +18,10 @@ total, verification, quotas, metrics). A request-level :class:`~.refusal.Refusal
 answered with an ERROR naming the field (in ``_serve``, the one place), then the
 connection closes.
 Only plaintext servers offer it (with TLS the bytes would leave the encrypted channel);
-the listener binds the gRPC host on an ephemeral port, starts on the first OpenBulk and
-holds at most ``MAX_CONNECTIONS`` connections.
+the listener binds the gRPC host on an ephemeral port and starts on the first OpenBulk.
+Who may hold how many tickets, sockets and send buffers is bulk_limits.py's: the
+server's ``max_connections``, a share of it per principal, a HELLO within
+``handshake_timeout_s``, an idle connection closed after ``connection_idle_timeout_s``.
 
 Bounded like the gRPC Get (inflight.py): each connection holds a lease of the server's
 in-flight budget under the same owner a gRPC call of its client has (the tenant with
@@ -36,14 +38,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import secrets
 import socket
 import time
 from collections.abc import Callable
 
+import numpy as np
+
+from nopecache.cache_server.bulk_limits import BufferPool, BulkAdmission, send_progressing
 from nopecache.cache_server.codes import put_reply
+from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.refusal import Refusal
@@ -63,13 +68,15 @@ from nopecache.proto.bulk import (
 )
 from nopecache.proto.contract import KEY_BYTES
 
-__all__ = ["MAX_CONNECTIONS", "TICKET_TTL_S", "BulkServer"]
+__all__ = ["PENDING_SHARE", "PRINCIPAL_SHARE", "TICKET_TTL_S", "BulkServer"]
 
 log = logging.getLogger(__name__)
 
 TICKET_TTL_S = 30.0
-MAX_CONNECTIONS = 256
-_HELLO_TIMEOUT_S = 10.0
+# One principal may hold max_connections // PRINCIPAL_SHARE bulk connections (and as many
+# unused tickets), sockets without a HELLO max_connections // PENDING_SHARE.
+PRINCIPAL_SHARE = 4
+PENDING_SHARE = 16
 
 
 class BulkServer:
@@ -83,6 +90,7 @@ class BulkServer:
         inflight: InflightBudget,
         puts: PutRules,
         gets: GetRules,
+        config: ServerConfig,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """A listener (not started) on ``host`` speaking the transfer rules ``puts`` and
@@ -94,21 +102,32 @@ class BulkServer:
         self._gets = gets
         self._host = host
         self._clock = clock
-        self._tickets: dict[bytes, tuple[Tenant, float]] = {}
+        self._hello_timeout_s = config.handshake_timeout_s
+        self._idle_timeout_s = config.connection_idle_timeout_s
+        self.admission = BulkAdmission(
+            max_connections=config.max_connections,
+            per_principal=max(1, config.max_connections // PRINCIPAL_SHARE),
+            max_pending=max(1, config.max_connections // PENDING_SHARE),
+            ticket_ttl_s=TICKET_TTL_S,
+            clock=clock,
+        )
+        # Idle send buffers kept for reuse: two of the largest blocks.
+        self.buffers = BufferPool(2 * config.max_block_bytes)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.port = 0
 
-    async def ticket(self, tenant: Tenant) -> tuple[int, bytes]:
-        """(port, ticket) for one connection of ``tenant``; starts the listener if needed."""
+    async def ticket(self, tenant: Tenant, owner: str) -> tuple[int, bytes] | str:
+        """(port, ticket) for one connection of ``tenant`` asked for by principal
+        ``owner``, or why not (its tickets are too many); starts the listener if needed."""
         if self._listener is None:
             self._start()
-        now = self._clock()
-        for old in [t for t, (_, until) in self._tickets.items() if until <= now]:
-            del self._tickets[old]
         ticket = secrets.token_bytes(TICKET_BYTES)
-        self._tickets[ticket] = (tenant, now + TICKET_TTL_S)
+        refused = self.admission.issue(ticket, tenant, owner)
+        if refused is not None:
+            self._metrics.rejected("OpenBulk", "too_many_tickets")
+            return refused
         return self.port, ticket
 
     def _start(self) -> None:
@@ -127,38 +146,40 @@ class BulkServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(listener)
-            if len(self._connections) >= MAX_CONNECTIONS:
-                conn.close()
-                continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = loop.create_task(self._serve(conn))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
-
-    def _redeem(self, ticket: bytes) -> Tenant | None:
-        found = None
-        for known in self._tickets:
-            if hmac.compare_digest(known, ticket):
-                found = known
-        if found is None:
-            return None
-        tenant, until = self._tickets.pop(found)
-        return tenant if until > self._clock() else None
+            self.admission.arrived(task)  # evicts the oldest socket without a HELLO
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        welcomed: str | None = None
         try:
-            hello = await asyncio.wait_for(
-                _recv_exact(loop, conn, len(MAGIC) + TICKET_BYTES), _HELLO_TIMEOUT_S
+            try:
+                hello = await asyncio.wait_for(
+                    _recv_exact(loop, conn, len(MAGIC) + TICKET_BYTES), self._hello_timeout_s
+                )
+            finally:
+                self.admission.left_pending(task)
+            redeemed = (
+                self.admission.redeem(hello[len(MAGIC) :]) if hello[: len(MAGIC)] == MAGIC else None
             )
-            tenant = self._redeem(hello[len(MAGIC) :]) if hello[: len(MAGIC)] == MAGIC else None
-            if tenant is None:
+            if redeemed is None:
                 self._metrics.rejected("Bulk", "bad_ticket")
                 return
+            refused = self.admission.welcome(redeemed.owner)
+            if refused is not None:
+                self._metrics.rejected("Bulk", "too_many_connections")
+                await _send_error(loop, conn, refused)
+                return
+            welcomed = redeemed.owner
             await loop.sock_sendall(conn, MAGIC)
-            owner = tenant.name if tenant.namespace else _peer(conn)
-            with self._inflight.lease(owner) as lease:
+            tenant = redeemed.tenant
+            with self._inflight.lease(redeemed.owner) as lease:
                 await self._requests(loop, conn, tenant, lease)
         except Refusal as refused:  # its bulk form: an ERROR carrying the message
             self._metrics.rejected("Bulk", refused.reason)
@@ -167,6 +188,8 @@ class BulkServer:
         except (OSError, TimeoutError, EOFError) as e:
             log.debug("bulk connection ended: %s", e)
         finally:
+            if welcomed is not None:
+                self.admission.leave(welcomed)
             conn.close()
 
     async def _requests(
@@ -180,11 +203,11 @@ class BulkServer:
             task.cancel()
 
         lease.watch(cut)
-        # The connection's send buffer: each block is copied into it by the tier
-        # (get_into, no blob allocated per block) and sent before the next is read.
-        buffer = SendBuffer()
         while True:
-            head = await _recv_exact(loop, conn, COUNT.size, eof_ok=True)
+            # Between requests a connection is idle: closed after connection_idle_timeout_s.
+            head = await asyncio.wait_for(
+                _recv_exact(loop, conn, COUNT.size, eof_ok=True), self._idle_timeout_s
+            )
             if not head:
                 return
             (word,) = COUNT.unpack(head)
@@ -200,8 +223,17 @@ class BulkServer:
                     await self._send(loop, conn, lease, ENTRY.pack(PUT_REPLY_CODE, len(data)))
                     await self._send(loop, conn, lease, data)
                 else:
-                    packed = await _recv_exact(loop, conn, count * KEY_BYTES)
-                    await self._get(loop, conn, tenant, packed, buffer, lease)
+                    # The keys come within the idle timeout, like every byte of a request.
+                    packed = await self._recv(loop, conn, lease, count * KEY_BYTES)
+                    # A send buffer for this GET only: a block the host tier cannot lend
+                    # (GetRules.into) is copied into it (get_into, no blob allocated per
+                    # block) and sent before the next is read; it goes back to the pool
+                    # when the GET is sent.
+                    buffer = self.buffers.borrow()
+                    try:
+                        await self._get(loop, conn, tenant, packed, buffer, lease)
+                    finally:
+                        self.buffers.give_back(buffer)
             except asyncio.CancelledError:
                 if not lease.stalled:
                     raise
@@ -224,14 +256,24 @@ class BulkServer:
         """Receive one PUT's ``count`` blocks, each checked as it completes, then store
         them (nothing is stored before the last block is in)."""
         intake = self._puts.intake(tenant, lease, BULK_WORDING)
-        with self._metrics.latency["Put"].time():
-            for _ in range(count):
-                size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
-                await intake.open_block(key, size)
-                blob = bytearray(size)
-                await self._recv_into(loop, conn, lease, memoryview(blob))
-                await intake.complete(key, memoryview(blob))
-            return put_reply(await intake.finish())
+        # Each block is verified (a checksum pass, off the loop) while the next one is
+        # received; its buffer is uninitialised memory (np.empty: no zero-fill pass, the
+        # socket writes every byte).
+        checks: list[asyncio.Task[None]] = []
+        try:
+            with self._metrics.latency["Put"].time():
+                for _ in range(count):
+                    size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
+                    position = await intake.open_block(key, size)
+                    blob = np.empty(size, dtype=np.uint8).data
+                    # An open block: its room may be reclaimed while the sender stalls.
+                    await self._recv_into(loop, conn, lease, blob, reclaimable=True)
+                    checks.append(loop.create_task(intake.complete(key, blob, position)))
+                await asyncio.gather(*checks)
+                return put_reply(await intake.finish())
+        finally:
+            for check in checks:
+                check.cancel()
 
     async def _get(
         self,
@@ -250,8 +292,8 @@ class BulkServer:
             async with contextlib.aclosing(entries):
                 async for code, size in entries:
                     await self._send(loop, conn, lease, ENTRY.pack(code, size))
-                    if size:
-                        await self._send(loop, conn, lease, memoryview(buffer.data)[:size])
+                    for part in buffer.parts:
+                        await self._send(loop, conn, lease, part)
 
     @staticmethod
     async def _recv(
@@ -264,13 +306,18 @@ class BulkServer:
 
     @staticmethod
     async def _recv_into(
-        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, view: memoryview
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        lease: Lease,
+        view: memoryview,
+        *,
+        reclaimable: bool = False,
     ) -> None:
         """Fill ``view`` from the peer, watched by the lease's idle timer (a sender that
         sends nothing for ``stream_idle_timeout_s`` gets the task cancelled)."""
         got, n = 0, view.nbytes
         while got < n:
-            lease.begin_wait()
+            lease.begin_wait(reclaimable=reclaimable)
             try:
                 k = await loop.sock_recv_into(conn, view[got:])
             finally:
@@ -283,13 +330,10 @@ class BulkServer:
     async def _send(
         loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, data: bytes | memoryview
     ) -> None:
-        """``sock_sendall``, watched by the lease's idle timer (a reader that takes
-        nothing for ``stream_idle_timeout_s`` gets the task cancelled)."""
-        lease.begin_wait()
-        try:
-            await loop.sock_sendall(conn, data)
-        finally:
-            lease.end_wait()
+        """Send ``data``, watched by the lease's idle timer from the last byte the reader
+        took (a reader that takes nothing for ``stream_idle_timeout_s`` gets the task
+        cancelled; a slow one that keeps reading is not)."""
+        await send_progressing(loop, conn, data, lease)
 
     async def close(self) -> None:
         """Stop listening and end every connection."""

@@ -38,7 +38,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 
 from nopecache.cache_server.refusal import Refusal, RefusalKind, over_limit
 
-__all__ = ["InflightBudget", "Lease"]
+__all__ = ["RECLAIM_AFTER_S", "InflightBudget", "Lease"]
+
+# Read credits of streams that hold blocks may take total_bytes // OVERDRAFT_SHARE past
+# the total (InflightBudget.overdraft_bytes): the budget bounds memory to 1/16 over.
+OVERDRAFT_SHARE = 16
+# A stream holding budget that has waited this long for its sender, while other streams
+# wait for room, is cut (InflightBudget.reclaim_idle).
+RECLAIM_AFTER_S = 1.0
 
 
 _BACKGROUND: set[asyncio.Task[None]] = set()
@@ -68,6 +75,9 @@ class InflightBudget:
         self.peak_bytes = 0
         self._owners: dict[str, int] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
+        # Leases holding bytes while they wait for their peer to send (reclaim_idle).
+        self._holders: set[Lease] = set()
+        self.reclaimed = 0
 
     def owner_bytes(self, owner: str) -> int:
         """Bytes ``owner``'s streams hold reserved now."""
@@ -77,19 +87,29 @@ class InflightBudget:
         """A lease for one stream of ``owner``."""
         return Lease(self, owner)
 
-    def _fits(self, owner: str, n: int) -> bool:
+    @property
+    def overdraft_bytes(self) -> int:
+        """How far past ``total_bytes`` read credits of streams holding blocks may go."""
+        return self.total_bytes // OVERDRAFT_SHARE
+
+    def _fits(self, owner: str, n: int, overdraft: bool = False) -> bool:
         held = self._owners.get(owner, 0)
         if held == 0 and self.used_bytes == 0:
             return True  # alone, any one reservation goes (it is at most one frame/window)
+        if overdraft and self.used_bytes + n <= self.total_bytes + self.overdraft_bytes:
+            return True
         return self.used_bytes + n <= self.total_bytes and held + n <= self.share_bytes
 
-    async def _reserve(self, owner: str, n: int, what: str) -> None:
-        """Take ``n`` bytes for ``owner``, waiting up to the idle timeout; raises Refusal."""
+    async def _reserve(self, owner: str, n: int, what: str, overdraft: bool = False) -> None:
+        """Take ``n`` bytes for ``owner``, waiting up to the idle timeout; raises Refusal.
+
+        ``overdraft``: the read credit of a stream that holds blocks, which may go past
+        the total and the share by ``overdraft_bytes`` (see ``Lease.paced``)."""
         if n <= 0:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.idle_timeout_s
-        while not self._fits(owner, n):
+        while not self._fits(owner, n, overdraft):
             left = deadline - loop.time()
             if left <= 0:
                 raise over_limit(
@@ -102,15 +122,34 @@ class InflightBudget:
             waiter = loop.create_future()
             self._waiters.append(waiter)
             try:
-                await asyncio.wait_for(asyncio.shield(waiter), left)
+                await asyncio.wait_for(asyncio.shield(waiter), min(left, RECLAIM_AFTER_S))
             except TimeoutError:
-                pass
+                self.reclaim_idle()
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
         self._owners[owner] = self._owners.get(owner, 0) + n
         self.used_bytes += n
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def reclaim_idle(self) -> int:
+        """Cut the streams that hold budget and have waited for their sender for
+        ``RECLAIM_AFTER_S`` while others wait for room; how many were cut.
+
+        A block is reserved whole when it opens (so every opened block can finish), and
+        this is what keeps that promise from being squatted: a stream that announced a
+        big block and sends nothing more keeps its room only while nobody needs it.
+        """
+        now = asyncio.get_running_loop().time()
+        cut = 0
+        for lease in list(self._holders):
+            since = lease._since
+            if since is not None and not lease.stalled and now - since >= RECLAIM_AFTER_S:
+                lease.reclaimed = True
+                lease._stall()
+                cut += 1
+        self.reclaimed += cut
+        return cut
 
     def _release(self, owner: str, n: int) -> None:
         if n <= 0:
@@ -135,7 +174,17 @@ class Lease:
     so a wait costs two clock reads instead of a task and a timeout per frame.
     """
 
-    __slots__ = ("_budget", "_held", "_on_stall", "_owner", "_since", "_timer", "stalled")
+    __slots__ = (
+        "_budget",
+        "_credit",
+        "_held",
+        "_on_stall",
+        "_owner",
+        "_since",
+        "_timer",
+        "reclaimed",
+        "stalled",
+    )
 
     def __init__(self, budget: InflightBudget, owner: str) -> None:
         self._budget = budget
@@ -144,17 +193,26 @@ class Lease:
         self._since: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._on_stall: Callable[[], None] | None = None
+        self._credit = 0  # of _held: room taken before a read, not yet given to a block
         self.stalled = False
+        self.reclaimed = False
 
     @property
     def held_bytes(self) -> int:
         """Bytes this stream holds reserved."""
         return self._held
 
-    async def reserve(self, n: int, what: str) -> None:
+    async def reserve(self, n: int, what: str, *, overdraft: bool = False) -> None:
         """Reserve ``n`` more bytes (waiting for room); raises Refusal."""
-        await self._budget._reserve(self._owner, n, what)
+        await self._budget._reserve(self._owner, n, what, overdraft)
         self._held += n
+
+    async def reserve_block(self, n: int, what: str) -> None:
+        """Reserve a block of ``n`` bytes whose first frame was read on a read credit
+        (``paced``): the credit becomes part of the block, the rest is reserved."""
+        taken = min(self._credit, n)
+        self._credit -= taken
+        await self.reserve(n - taken, what)
 
     def release(self, n: int | None = None) -> None:
         """Give back ``n`` bytes (all of them by default)."""
@@ -165,7 +223,9 @@ class Lease:
     def close(self) -> None:
         """The stream is over: release everything, stop watching."""
         self.release()
+        self._credit = 0
         self._since = None
+        self._budget._holders.discard(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -196,16 +256,21 @@ class Lease:
 
         self.watch(lambda: _spawn(close()))
 
-    def begin_wait(self) -> None:
-        """A wait for the peer starts (a frame to read, a frame to be taken)."""
+    def begin_wait(self, *, reclaimable: bool = False) -> None:
+        """A wait for the peer starts (a frame to read, a frame to be taken); with
+        ``reclaimable``, a wait for a sender that the budget may cut when others need the
+        room this stream holds (InflightBudget.reclaim_idle)."""
         loop = asyncio.get_running_loop()
         self._since = loop.time()
+        if reclaimable and self._held:
+            self._budget._holders.add(self)
         if self._timer is None:
             self._timer = loop.call_at(self._since + self._budget.idle_timeout_s, self._check)
 
     def end_wait(self) -> None:
         """The wait is over."""
         self._since = None
+        self._budget._holders.discard(self)
 
     def _check(self) -> None:
         self._timer = None
@@ -214,14 +279,26 @@ class Lease:
             return  # not waiting now: the next begin_wait arms the timer again
         loop = asyncio.get_running_loop()
         if loop.time() - since >= self._budget.idle_timeout_s:
-            self.stalled = True
-            if self._on_stall is not None:
-                self._on_stall()
+            self._stall()
             return
         self._timer = loop.call_at(since + self._budget.idle_timeout_s, self._check)
 
+    def _stall(self) -> None:
+        self.stalled = True
+        if self._on_stall is not None:
+            self._on_stall()
+
     def idle_cut(self) -> Refusal:
-        """The refusal of a Put stream that sent nothing for the idle timeout."""
+        """The refusal of a Put stream that sent nothing for the idle timeout (or held
+        budget others waited for and sent nothing for RECLAIM_AFTER_S)."""
+        if self.reclaimed:
+            return Refusal(
+                RefusalKind.TOO_SLOW,
+                "stream_reclaimed",
+                f"PutFrame: the stream held {self._held} bytes of the in-flight budget and "
+                f"sent nothing for {RECLAIM_AFTER_S:g} s while other streams waited for "
+                "room: the stream is cut and nothing of it is stored",
+            )
         return Refusal(
             RefusalKind.TOO_SLOW,
             "stream_idle",
@@ -238,9 +315,21 @@ class Lease:
             "(stream_idle_timeout_s): the stream is cut",
         )
 
-    async def paced(self, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """``frames``, a frame that does not come within the idle timeout cutting the
-        stream (a TOO_SLOW Refusal). The receiver reserves what it keeps (``reserve``).
+    async def paced(
+        self, frames: AsyncIterator[bytes], credit: Callable[[], int], what: str
+    ) -> AsyncIterator[bytes]:
+        """``frames``, each reserved in this lease before it is read and kept reserved
+        until the lease closes; a frame that does not come within the idle timeout cuts
+        the stream (a TOO_SLOW Refusal).
+
+        Before each read the lease takes ``credit()`` bytes (the largest frame the
+        transport delivers when no reserved block covers the next frame, else 0; waiting
+        for room, which raises an OVER_LIMIT Refusal when none comes): a read lets the
+        sender's next message into the process, so its bytes must be counted before it
+        starts, not once it is decoded. The receiver turns the credit into the block the
+        frame opens (``reserve_block``); what it did not take is given back once the
+        receiver is done with the frame. While a stream waits for room it reads nothing,
+        and gRPC's flow control holds its sender to the transport's window.
 
         The watch cancels the waiting read (gRPC ends a cancelled read at once), and the
         cancel is turned into the refusal here.
@@ -254,7 +343,14 @@ class Lease:
         self.watch(cancel)
         iterator = aiter(frames)
         while True:
-            self.begin_wait()
+            wanted = credit()
+            # A stream holding whole blocks reads on an overdraft: its next read may be its
+            # end, which frees them, and must not wait behind streams waiting for the room
+            # it holds (a new block's first frame then waits in reserve_block, counted).
+            await self.reserve(wanted, what, overdraft=self._held > 0)
+            self._credit = wanted
+            # No credit: the frame belongs to an open block, whose room may be reclaimed.
+            self.begin_wait(reclaimable=not wanted)
             try:
                 raw = await anext(iterator)
             except StopAsyncIteration:
@@ -267,3 +363,6 @@ class Lease:
             finally:
                 self.end_wait()
             yield raw
+            # Whatever of the credit the receiver did not turn into a block.
+            self.release(self._credit)
+            self._credit = 0

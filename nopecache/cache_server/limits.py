@@ -19,7 +19,17 @@ from __future__ import annotations
 
 from nopecache.cache_server.config import ServerConfig
 
-__all__ = ["connection_options"]
+__all__ = ["FLOW_CONTROL", "STREAM_WINDOW_BYTES", "connection_options"]
+
+# What gRPC buffers for a stream whose handler is not reading: the HTTP/2 stream window.
+STREAM_WINDOW_BYTES = 64 * 1024
+FLOW_CONTROL: list[tuple[str, int]] = [
+    # The bandwidth-delay probe grows every stream's window to megabytes on a fast link;
+    # a stream waiting for the in-flight budget would then hold that much unread in the
+    # transport, outside the budget.
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+]
 
 
 def connection_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -28,4 +38,5 @@ def connection_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.max_allowed_incoming_connections", config.max_connections),
         ("grpc.server_handshake_timeout_ms", max(1, round(config.handshake_timeout_s * 1000))),
         ("grpc.max_connection_idle_ms", max(1, round(config.connection_idle_timeout_s * 1000))),
+        *FLOW_CONTROL,
     ]

@@ -75,6 +75,7 @@ from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.pins import PinTable
 from nopecache.cache_server.refusal import Refusal, bad_request
+from nopecache.cache_server.removals import RemovalFeed
 from nopecache.cache_server.shm import ShmSessions
 from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tenants import QuotaLedger, Tenant, own_stats
@@ -135,6 +136,9 @@ class KVCacheService:
         self._resolve = resolve_context
         self.quotas = quotas if quotas is not None else QuotaLedger(unit_bytes=store.page_bytes)
         store.drop_listeners.append(self._on_dropped)
+        # Keys that left the cache, for WatchRemovals (removals.py).
+        self.removals = RemovalFeed()
+        store.drop_listeners.append(self.removals.gone)
         self.verifier = BlockVerifier(config.max_block_bytes)
         self.inflight = InflightBudget(
             config.max_inflight_bytes,
@@ -222,7 +226,13 @@ class KVCacheService:
             lease = self._lease(context, tenant)
             try:
                 intake = self.puts.intake(tenant, lease, FRAME_WORDING)
-                async for raw in lease.paced(request_iterator):
+                most = self._config.max_message_bytes
+
+                def credit() -> int:  # a frame of an open block comes on its reservation
+                    return 0 if intake.partial is not None else most
+
+                frames = lease.paced(request_iterator, credit, "PutFrame: the next frame")
+                async for raw in frames:
                     try:
                         key, size, data = decode_put_frame(raw)
                     except WireError as e:
@@ -267,10 +277,16 @@ class KVCacheService:
     def _lease(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> Lease:
         """The in-flight lease of one call: its tenant's share with auth, else its
         connection's; given back when the call ends, however it ends."""
-        lease = self.inflight.lease(tenant.name if tenant.namespace else context.peer())
+        lease = self.inflight.lease(self._owner(context, tenant))
         # The stubs type the callback as a class; any callable taking the context works.
         context.add_done_callback(lease.on_done)  # type: ignore[arg-type]
         return lease
+
+    @staticmethod
+    def _owner(context: grpc.aio.ServicerContext, tenant: Tenant) -> str:
+        """Whom a call's shares are counted against: its tenant with auth, else its
+        connection (a bulk connection counts against the gRPC one that asked for it)."""
+        return tenant.name if tenant.namespace else context.peer()
 
     async def _get_frames(
         self,
@@ -297,7 +313,13 @@ class KVCacheService:
                 await self._abort(context, "Get", r)
             limit = self._config.max_frame_data_bytes
             names: Sequence[bytes] = self._encoded_names
-            entries = self.gets.windows(tenant, keys, lease)
+            # Into a shared-memory window, host-tier blocks are copied from their pages
+            # (lent); otherwise read a window at a time.
+            entries = (
+                self.gets.lent(tenant, keys, lease)
+                if target.active
+                else self.gets.windows(tenant, keys, lease)
+            )
             # aclosing: a stream cut while a window is held drops its blocks at once.
             with target:  # the shared-memory window (if any) is written only inside
                 async with contextlib.aclosing(entries):
@@ -306,12 +328,17 @@ class KVCacheService:
                             yield encode_get_frame(index, 0, 0, b"", names)
                             names = ()
                             continue
-                        size = len(blob)
                         at = target.place(blob)
                         if at is not None:
+                            size = (
+                                sum(p.nbytes for p in blob) if isinstance(blob, list) else len(blob)
+                            )
                             yield encode_get_frame(index, code, size, b"", names, (at, size))
                             names = ()
                             continue
+                        if isinstance(blob, list):  # lent pages that did not fit the window
+                            blob = b"".join(blob)
+                        size = len(blob)
                         view = memoryview(blob)
                         yield encode_get_frame(index, code, size, view[:limit], names)
                         names = ()
@@ -355,6 +382,7 @@ class KVCacheService:
             inflight=self.inflight,
             puts=self.puts,
             gets=self.gets,
+            config=self._config,
         )
         return self.bulk
 
@@ -369,8 +397,32 @@ class KVCacheService:
             await self._abort(context, "OpenBulk", r)
         if self.bulk is None:
             return pb.OpenBulkReply(refused="this server offers no bulk stream (TLS or off)")
-        port, ticket = await self.bulk.ticket(tenant)
+        issued = await self.bulk.ticket(tenant, self._owner(context, tenant))
+        if isinstance(issued, str):
+            return pb.OpenBulkReply(refused=issued)
+        port, ticket = issued
         return pb.OpenBulkReply(port=port, ticket=ticket, ticket_ttl_ms=int(TICKET_TTL_S * 1000))
+
+    async def WatchRemovals(
+        self,
+        request: pb.WatchRemovalsRequest | MalformedRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.RemovalEvent]:
+        """The caller's keys that leave the cache, as they go (removals.py); first an empty
+        event: the watch is open."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+        except Refusal as r:
+            await self._abort(context, "WatchRemovals", r)
+        watcher = self.removals.watch(tenant.namespace)
+        try:
+            yield pb.RemovalEvent()
+            while True:
+                event = await watcher.next()
+                yield pb.RemovalEvent(keys=event.keys, cleared=event.cleared, lost=event.lost)
+        finally:
+            self.removals.unwatch(watcher)
 
     async def Delete(
         self, request: pb.DeleteRequest | MalformedRequest, context: grpc.aio.ServicerContext
@@ -385,6 +437,7 @@ class KVCacheService:
             except Refusal as r:
                 await self._abort(context, "Delete", r)
             deleted = await self._store.delete(keys)
+            self.removals.gone(keys)
             if self.pins is not None:
                 self.pins.unpin(keys)
             self.quotas.release(tenant, keys)
@@ -465,6 +518,11 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
             service.OpenBulk,
             request_deserializer=lenient_parser(pb.OpenBulkRequest),
             response_serializer=pb.OpenBulkReply.SerializeToString,
+        ),
+        "WatchRemovals": grpc.unary_stream_rpc_method_handler(
+            service.WatchRemovals,
+            request_deserializer=lenient_parser(pb.WatchRemovalsRequest),
+            response_serializer=pb.RemovalEvent.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

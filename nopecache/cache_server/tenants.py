@@ -235,6 +235,22 @@ class QuotaLedger:
         account.used += extra
         return True
 
+    def charged(self, tenant: Tenant, key: bytes) -> int | None:
+        """What ``key`` is charged to ``tenant`` now (None: nothing)."""
+        account = self._accounts.get(tenant.name)
+        found = account.charges.get(key) if account is not None else None
+        return found[0] if found is not None else None
+
+    def settle(self, tenant: Tenant, key: bytes, charge: int) -> None:
+        """Set ``key``'s charge to ``charge`` bytes (what its stored block really costs:
+        a Put answered ALREADY_PRESENT kept the block stored before, not its own)."""
+        account = self._accounts.get(tenant.name)
+        found = account.charges.get(key) if account is not None else None
+        if account is None or found is None:
+            return
+        account.used += charge - found[0]
+        account.charges[key] = (charge, found[1])
+
     def release(self, tenant: Tenant, keys: Iterable[bytes]) -> int:
         """Drop the charges of ``keys`` (deleted or never stored); the bytes released."""
         account = self._accounts.get(tenant.name)

@@ -29,6 +29,7 @@ Concurrency: one event loop; an intake belongs to one request.
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -210,7 +211,8 @@ class PutIntake:
 
     async def open_block(self, key: bytes, size: int) -> int:
         """Admit the next block (its key and announced size) and reserve its bytes in the
-        lease (waiting for room); its position. Raises Refusal past a limit."""
+        lease (waiting for room; the read credit its first frame came on counts); its
+        position. Raises Refusal past a limit."""
         config = self._rules.config
         words = self._wording
         position = len(self.results)
@@ -240,8 +242,9 @@ class PutIntake:
                 ),
             )
         # Whole blocks, not frames: streams holding parts of blocks could fill the budget
-        # with none of them able to finish one.
-        await self._lease.reserve(size, words.block.format(position=position))
+        # with none of them able to finish one. A stream that then sends nothing loses
+        # the room when others need it (InflightBudget.reclaim_idle).
+        await self._lease.reserve_block(size, words.block.format(position=position))
         self.results.append(BlockResult(key))
         if position % YIELD_EVERY_BLOCKS == YIELD_EVERY_BLOCKS - 1:
             await asyncio.sleep(0)  # many tiny blocks must not hold the loop
@@ -286,13 +289,17 @@ class PutIntake:
             )
 
     # -- whole blocks ------------------------------------------------------------------
-    async def complete(self, key: bytes, blob: memoryview) -> None:
-        """Verify the last opened block, now complete: stage it, or refuse it (its result)."""
+    async def complete(self, key: bytes, blob: memoryview, position: int | None = None) -> None:
+        """Verify a complete block: stage it, or refuse it (its result). ``position``: the
+        block's (``open_block``'s answer), by default the last opened; blocks of one
+        request may complete concurrently (a codec verifying one while receiving the
+        next): they are staged in position order whatever order they finish in."""
         rules = self._rules
-        position = len(self.results) - 1
+        if position is None:
+            position = len(self.results) - 1
         problem = await rules.verifier.check_async(key, blob)
         if problem is None:
-            self.staged.append((position, key, blob))
+            bisect.insort(self.staged, (position, key, blob), key=_position)
             return
         rules.metrics.rejected("Put", "invalid_block")
         self._refuse(position, bad_request("invalid_block", f"block #{position}: {problem}"))
@@ -311,6 +318,7 @@ class PutIntake:
             if n % YIELD_EVERY_BLOCKS == 0:
                 await asyncio.sleep(0)
             stored_key = tenant.stored_key(key)
+            charged_before = quotas.charged(tenant, stored_key)
             admitted = quotas.admit(tenant, stored_key, len(blob))
             if not admitted and not reconciled:
                 # The ledger over-counts what tiers evicted meanwhile: recount, once.
@@ -321,7 +329,7 @@ class PutIntake:
                 rules.count_rejected(tenant, "over_quota")
                 self._refuse(position, self._over_quota(position, len(blob)))
                 continue
-            await self._store(position, key, stored_key, blob)
+            await self._store(position, key, stored_key, blob, charged_before)
             stored_bytes += len(blob)
         if quotas.sweep_due(tenant):
             await quotas.sweep(tenant, lookup)
@@ -347,11 +355,18 @@ class PutIntake:
         self.results[position].refusal = refusal
 
     async def _store(
-        self, position: int, key: bytes, stored_key: bytes, blob: memoryview | bytes
+        self,
+        position: int,
+        key: bytes,
+        stored_key: bytes,
+        blob: memoryview | bytes,
+        charged_before: int | None = None,
     ) -> None:
         """Store one validated block (client ``key``) under ``stored_key``.
 
-        The block's quota charge (taken by the caller) is given back when it was not stored.
+        The block's quota charge (taken by the caller) is given back when it was not
+        stored, and put back to ``charged_before`` (what the key was charged before) when
+        the key already held a block: that block stays, and it is what the tenant holds.
         """
         rules, tenant = self._rules, self.tenant
         try:
@@ -384,5 +399,11 @@ class PutIntake:
                 ),
             )
             return
+        if outcome is PutOutcome.ALREADY_PRESENT and charged_before is not None:
+            rules.quotas.settle(tenant, stored_key, charged_before)
         rules.metrics.put_outcome(outcome.value)
         self.results[position].outcome = outcome
+
+
+def _position(staged: tuple[int, bytes, memoryview | bytes]) -> int:
+    return staged[0]

@@ -552,13 +552,21 @@ class DecodedBlock:
     v: torch.Tensor | None
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """Raw bytes of ``t`` in C order on the host: zero-copy for a contiguous CPU tensor."""
+def _host_bytes(t: torch.Tensor) -> list[memoryview]:
+    """Raw bytes of ``t`` in C order on the host, in parts: zero-copy for a contiguous CPU
+    tensor, and for a CPU tensor whose every ``t[i]`` is contiguous (a ``[:, s:e]`` token
+    slice of a ``[layers, tokens, ...]`` tensor): one view per layer, which the checksum
+    reads and the blob's join copies where they lie, instead of a layout copy first."""
     import torch
 
+    t = t.detach()
+    if t.device.type == "cpu" and not t.is_contiguous() and t.dim() > 1:
+        layers = [t[i] for i in range(t.shape[0])]
+        if all(layer.is_contiguous() for layer in layers):
+            return [layer.view(torch.uint8).reshape(-1).numpy().data for layer in layers]
     # Layout copy on the tensor's own device first (cheap on a GPU), then one transfer.
-    host = t.detach().contiguous().cpu()
-    return host.view(torch.uint8).reshape(-1).numpy().data
+    host = t.contiguous().cpu()
+    return [host.view(torch.uint8).reshape(-1).numpy().data]
 
 
 def encode_block(
@@ -613,7 +621,7 @@ def encode_block(
         shape=shape,
         v_head_dim=v_head_dim,
         token_ids=token_ids,
-        payload=[_host_bytes(t) for t in tensors],
+        payload=[part for t in tensors for part in _host_bytes(t)],
         source_positions=source_positions,
         compression=compression,
     )

@@ -1151,3 +1151,46 @@ class SetQuotaRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetQuotaRequest: _TypeAlias = SetQuotaRequest  # noqa: Y015
+
+@_typing.final
+class WatchRemovalsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRemovalsRequest: _TypeAlias = WatchRemovalsRequest  # noqa: Y015
+
+@_typing.final
+class RemovalEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    keys: _builtins.bytes
+    """Client keys (packed, 16 bytes each) no tier holds any more."""
+    cleared: _builtins.bool
+    """The caller's namespace was flushed: every key it held is gone."""
+    lost: _builtins.bool
+    """The watcher fell behind and events were dropped: any key may be gone."""
+    def __init__(
+        self,
+        *,
+        keys: _builtins.bytes = ...,
+        cleared: _builtins.bool = ...,
+        lost: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "keys", b"keys", "lost", b"lost"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemovalEvent: _TypeAlias = RemovalEvent  # noqa: Y015

@@ -75,6 +75,11 @@ class KVCacheStub:
                 request_serializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.SerializeToString,
                 response_deserializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.FromString,
                 _registered_method=True)
+        self.WatchRemovals = channel.unary_stream(
+                '/nopecache.v1.KVCache/WatchRemovals',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.RemovalEvent.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -140,6 +145,16 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchRemovals(self, request, context):
+        """A stream of the caller's keys that left the cache: dropped by the last tier that held
+        them, deleted, or flushed. Engines that announce what the cache holds (vLLM's KV events
+        for routers) follow it to withdraw what is gone. The first event is empty: the watch is
+        open from then on. Evictions Redis makes by itself are not seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +197,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.OpenBulk,
                     request_deserializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.FromString,
                     response_serializer=nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.SerializeToString,
+            ),
+            'WatchRemovals': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRemovals,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.RemovalEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +421,33 @@ class KVCache:
             '/nopecache.v1.KVCache/OpenBulk',
             nopecache_dot_proto_dot_cache__pb2.OpenBulkRequest.SerializeToString,
             nopecache_dot_proto_dot_cache__pb2.OpenBulkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRemovals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nopecache.v1.KVCache/WatchRemovals',
+            nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.RemovalEvent.FromString,
             options,
             channel_credentials,
             insecure,

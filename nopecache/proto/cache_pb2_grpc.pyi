@@ -108,6 +108,12 @@ class KVCacheStub:
     """A ticket for one bulk byte-stream connection (see above). A server that offers none
     (TLS, switched off) answers with `refused` set.
     """
+    WatchRemovals: _grpc.UnaryStreamMultiCallable[_cache_pb2.WatchRemovalsRequest, _cache_pb2.RemovalEvent]
+    """A stream of the caller's keys that left the cache: dropped by the last tier that held
+    them, deleted, or flushed. Engines that announce what the cache holds (vLLM's KV events
+    for routers) follow it to withdraw what is gone. The first event is empty: the watch is
+    open from then on. Evictions Redis makes by itself are not seen.
+    """
 
 @_typing.type_check_only
 class KVCacheAsyncStub(KVCacheStub):
@@ -135,6 +141,12 @@ class KVCacheAsyncStub(KVCacheStub):
     OpenBulk: _aio.UnaryUnaryMultiCallable[_cache_pb2.OpenBulkRequest, _cache_pb2.OpenBulkReply]  # type: ignore[assignment]
     """A ticket for one bulk byte-stream connection (see above). A server that offers none
     (TLS, switched off) answers with `refused` set.
+    """
+    WatchRemovals: _aio.UnaryStreamMultiCallable[_cache_pb2.WatchRemovalsRequest, _cache_pb2.RemovalEvent]  # type: ignore[assignment]
+    """A stream of the caller's keys that left the cache: dropped by the last tier that held
+    them, deleted, or flushed. Engines that announce what the cache holds (vLLM's KV events
+    for routers) follow it to withdraw what is gone. The first event is empty: the watch is
+    open from then on. Evictions Redis makes by itself are not seen.
     """
 
 class KVCacheServicer(metaclass=_abc_1.ABCMeta):
@@ -208,6 +220,18 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_cache_pb2.OpenBulkReply, _abc.Awaitable[_cache_pb2.OpenBulkReply]]:
         """A ticket for one bulk byte-stream connection (see above). A server that offers none
         (TLS, switched off) answers with `refused` set.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchRemovals(
+        self,
+        request: _cache_pb2.WatchRemovalsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.RemovalEvent], _abc.AsyncIterator[_cache_pb2.RemovalEvent]]:
+        """A stream of the caller's keys that left the cache: dropped by the last tier that held
+        them, deleted, or flushed. Engines that announce what the cache holds (vLLM's KV events
+        for routers) follow it to withdraw what is gone. The first event is empty: the watch is
+        open from then on. Evictions Redis makes by itself are not seen.
         """
 
 def add_KVCacheServicer_to_server(servicer: KVCacheServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -213,6 +213,30 @@ def test_non_contiguous_tensors_are_stored_in_logical_order() -> None:
     assert torch.equal(bits(out.k), bits(k)) and torch.equal(bits(out.v), bits(v))
 
 
+def test_a_token_slice_is_encoded_from_its_layers_in_place_as_its_contiguous_copy() -> None:
+    """``k[:, s:e]`` of ``[layers, tokens, ...]`` (what the store pipeline encodes) is
+    checksummed and copied layer by layer where it lies: the blob is byte for byte the
+    blob of its contiguous copy."""
+    k_all = random_tensor((3, 10, 2, 4), torch.bfloat16, 5)
+    v_all = random_tensor((3, 10, 2, 4), torch.bfloat16, 6)
+    k, v = k_all[:, 4:7], v_all[:, 4:7]
+    assert not k.is_contiguous() and all(k[i].is_contiguous() for i in range(3))
+    ids = [7, 8, 9]
+    sliced = encode_block(key=KEY, fingerprint=FP, form=StoredForm.NOPE, k=k, v=v, token_ids=ids)
+    copied = encode_block(
+        key=KEY,
+        fingerprint=FP,
+        form=StoredForm.NOPE,
+        k=k.contiguous(),
+        v=v.contiguous(),
+        token_ids=ids,
+    )
+    assert sliced == copied
+    out = decode_block(sliced)
+    assert out.v is not None
+    assert torch.equal(bits(out.k), bits(k)) and torch.equal(bits(out.v), bits(v))
+
+
 def test_decode_of_writable_blob_aliases_it_and_payload_is_aligned() -> None:
     blob = bytearray(make(SMALL)[0])
     out = decode_block(blob)

@@ -13,5 +13,6 @@ Fixture modules are registered once, in tests/conftest.py (``pytest_plugins``).
     server_procs       cache server processes (fixtures)
     redis_procs        Redis processes (fixtures)
     engine_proc        a vLLM engine process
+    machine            cores (round robin) and free memory for engines
     connector_prompts, demo_output, hf_store, local_model, sass_probe: see each module
 """

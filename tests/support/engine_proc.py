@@ -12,9 +12,11 @@ one JSON line on a private pipe (vLLM's own logs go to a log file). Commands:
     {"op": "metrics"}                            -> {"vllm:...": value}  (counters summed)
 
 CPU settings every engine shares (so every run does the same arithmetic): one OpenMP
-thread bound to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``: any KV connector reserves a core
-and would change the thread count, which changes bf16 results), 1 GiB of KV cache,
-offline, eager mode.
+thread bound to one core (``VLLM_CPU_OMP_THREADS_BIND=<core>``: any KV connector reserves
+a core and would change the thread count, which changes bf16 results), 1 GiB of KV cache,
+offline, eager mode. The core is the config's ``cpu``, or else the next one round robin
+over the cores this process may use (:func:`tests.support.machine.core_for`): engines
+spread over the machine instead of sharing core 0. :attr:`EngineProc.cpu` says which.
 
 Each engine leads a process group of its own, which vLLM's engine-core process joins:
 :meth:`EngineProc.stop` (and a demo's Ctrl-C, through :meth:`EngineProc.group`) stops the
@@ -25,6 +27,7 @@ decides how its engines stop.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -35,10 +38,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.machine import core_for
 from tests.support.proc_groups import Group, stop_groups
 
 ENGINE_ENV = {
-    "VLLM_CPU_OMP_THREADS_BIND": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -46,6 +49,7 @@ ENGINE_ENV = {
     "VLLM_DO_NOT_TRACK": "1",
 }
 _START_TIMEOUT_S = 240.0
+_launches = itertools.count()  # engines launched by this process without a fixed core
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class EngineConfig:
     connector_class: str = "NopecacheConnector"
     connector_module: str | None = "nopecache.integrations.vllm"
     env: dict[str, str] = field(default_factory=dict)
+    cpu: int | None = None  # the core its OpenMP thread binds to; None: round robin
 
 
 EngineFactory = Callable[..., "EngineProc"]
@@ -94,6 +99,7 @@ class EngineProc:
         self.config = config
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.cpu: int | None = config.cpu  # the core it was given, once launched
         self._answers: Any = None
 
     def start(self) -> EngineProc:
@@ -102,8 +108,16 @@ class EngineProc:
 
     def launch(self) -> EngineProc:
         """Start the child without waiting (several engines then build side by side)."""
+        if self.cpu is None:
+            self.cpu = core_for(next(_launches))
         read_fd, write_fd = os.pipe()
-        env = {**os.environ, **ENGINE_ENV, **self.config.env, "NOPECACHE_ENGINE_FD": str(write_fd)}
+        env = {
+            **os.environ,
+            **ENGINE_ENV,
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu),
+            **self.config.env,
+            "NOPECACHE_ENGINE_FD": str(write_fd),
+        }
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, __file__, json.dumps(asdict(self.config))],
@@ -268,6 +282,11 @@ def _build(config: dict[str, Any]) -> Any:
             kv_role="kv_both",
             kv_connector_extra_config=config["connector"],
         )
+    extra = dict(config["extra"])
+    if "kv_events_config" in extra:  # JSON in the config: vLLM's own type here
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(**extra["kv_events_config"])
     return LLM(
         model=config["model"],
         dtype=config["dtype"],
@@ -277,7 +296,7 @@ def _build(config: dict[str, Any]) -> Any:
         disable_log_stats=False,
         seed=0,
         **kwargs,
-        **config["extra"],
+        **extra,
     )
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from nopecache.integrations.vllm.errors import BlendUnavailableError, UnsupportedLayoutError
+from nopecache.integrations.vllm.events import Cleared, Event, Removed
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from nopecache.integrations.vllm.layout import KVLayout
-    from nopecache.integrations.vllm.scheduler import StoredBlocks
 
 __all__ = [
     "LlamaModules",
@@ -60,6 +60,7 @@ __all__ = [
     "hf_text_config",
     "kv_cache_dtype",
     "kv_events",
+    "kv_events_enabled",
     "llama_modules",
     "model_dtype",
     "model_shape",
@@ -68,6 +69,7 @@ __all__ = [
     "parallel_sizes",
     "platform_is_cpu",
     "platform_name",
+    "prefix_caching",
     "prompt_token_ids",
     "qkv_rope",
     "recompute_load_failures",
@@ -240,33 +242,43 @@ def worker_metadata(connector_output: KVConnectorOutput) -> KVConnectorWorkerMet
 
 
 # -- KV events ------------------------------------------------------------------------
-def kv_events(
-    removed: Sequence[BlockHash], stored: Iterable[StoredBlocks], medium: str
-) -> Iterator[KVCacheEvent]:
-    """``BlockRemoved`` for ``removed``, then one ``BlockStored`` per stored run of blocks.
+def kv_events(events: Iterable[Event], medium: str) -> Iterator[KVCacheEvent]:
+    """vLLM's KV events for ``events`` (events.py), in order, under ``medium``.
 
     Hashes are converted as vLLM converts its own for events (ints when
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so subscribers match them to vLLM's.
     """
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    gone = [maybe_convert_block_hash(h) for h in removed]
-    if gone:
-        yield BlockRemoved(block_hashes=gone, medium=medium)
-    for blocks in stored:
-        hashes = [maybe_convert_block_hash(h) for h in blocks.block_hashes]
-        if not hashes:
-            continue
-        yield BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=None,
-            token_ids=list(blocks.token_ids[: len(hashes) * blocks.block_size]),
-            block_size=blocks.block_size,
-            lora_id=None,
-            medium=medium,
-            lora_name=None,
-        )
+    for event in events:
+        if isinstance(event, Cleared):
+            yield AllBlocksCleared()
+        elif isinstance(event, Removed):
+            gone = [maybe_convert_block_hash(h) for h in event.block_hashes]
+            yield BlockRemoved(block_hashes=gone, medium=medium)
+        else:
+            parent = event.parent
+            yield BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                token_ids=list(event.token_ids),
+                block_size=event.block_size,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+            )
+
+
+def kv_events_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV events (``kv_events_config.enable_kv_cache_events``)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and config.enable_kv_cache_events)
+
+
+def prefix_caching(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's own prefix cache is on (it then announces blocks of its own)."""
+    return bool(vllm_config.cache_config.enable_prefix_caching)
 
 
 # -- worker set-up --------------------------------------------------------------------

@@ -37,6 +37,11 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      (history truncated) keeps its keys; without them
                                      content-defined chunks resynchronise only after
                                      the first cut past the move
+    kv_event_medium
+                 str    "STORAGE"    the medium of the KV events announcing stored blocks
+                                     (events.py: the tier name Dynamo and llm-d map
+                                     below the GPU; "shared_storage" for llm-d's weight
+                                     of a shared tier)
 
 Anything else, a wrong type or a bad value raises :class:`ConnectorConfigError` at
 start-up, naming the key. The model fingerprint (name, revision, layers, KV heads, head
@@ -57,6 +62,7 @@ from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.errors import ConnectorConfigError, UnsupportedEngineError
+from nopecache.integrations.vllm.events import DEFAULT_MEDIUM
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 from nopecache.recompute.policies import (
@@ -117,6 +123,7 @@ class ConnectorConfig:
     segment_token_ids: frozenset[int] = frozenset()
     recompute_policy: str = DEFAULT_POLICY_NAME
     recompute_budget: float = DEFAULT_BUDGET
+    kv_event_medium: str = DEFAULT_MEDIUM
 
     KEYS = (
         "url",
@@ -129,6 +136,7 @@ class ConnectorConfig:
         "segment_token_ids",
         "recompute_policy",
         "recompute_budget",
+        "kv_event_medium",
     )
 
     @classmethod
@@ -180,9 +188,15 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "lookup_wait_ms", f"must be a number of milliseconds in [0, 10000], got {wait!r}"
             )
+        medium = _str("kv_event_medium", extra.get("kv_event_medium", DEFAULT_MEDIUM))
+        if not medium or not medium.isprintable() or any(c.isspace() for c in medium):
+            raise ConnectorConfigError(
+                "kv_event_medium", f"must be a tier name such as STORAGE, got {medium!r}"
+            )
         return cls(
             client=client,
             lookup_wait_ms=float(wait),
+            kv_event_medium=medium,
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
             recompute_policy=policy,
             recompute_budget=float(budget),

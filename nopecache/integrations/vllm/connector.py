@@ -44,10 +44,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from nopecache.client.removals import RemovalFollower
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.blend import blend_unsupported_reason
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity, model_identity
+from nopecache.integrations.vllm.events import AnnouncedBlocks
 from nopecache.integrations.vllm.layout import CpuAttnLayout
 from nopecache.integrations.vllm.metadata import StepPlan, StepReport
 from nopecache.integrations.vllm.metrics import NopecachePromMetrics, NopecacheStats
@@ -75,8 +77,6 @@ __all__ = ["NopecacheConnector", "NopecacheConnectorMetadata", "NopecacheWorkerM
 
 # Under "vllm." so the lines appear in vLLM's own log, in its format.
 log = logging.getLogger(f"vllm.{__name__}")
-
-MEDIUM = "nopecache"
 
 
 class NopecacheConnectorMetadata(KVConnectorMetadata):
@@ -126,6 +126,7 @@ class NopecacheConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._last_report: StepReport | None = None
+        self._removals: RemovalFollower | None = None
         blend_unsupported = blend_unsupported_reason(vllm_config) if self.settings.blend else None
         if blend_unsupported is not None:
             log.warning(
@@ -137,9 +138,13 @@ class NopecacheConnector(KVConnectorBase_V1):
                 log.info(
                     "nopecache: kv_load_failure_policy set to 'recompute' (misses are not fatal)"
                 )
+            announced = AnnouncedBlocks(clear_all=not compat.prefix_caching(vllm_config))
             self._scheduler = SchedulerSide(
-                self.settings, self.model, self.client, blend_unsupported
+                self.settings, self.model, self.client, blend_unsupported, announced
             )
+            if compat.kv_events_enabled(vllm_config):
+                # Withdraw announced blocks the servers drop, whoever made them go.
+                self._removals = RemovalFollower(self.settings.client, announced.on_removal).start()
         else:
             self._worker = WorkerSide(self.settings, self.model, self.client)
             if blend_unsupported is not None:
@@ -279,9 +284,16 @@ class NopecacheConnector(KVConnectorBase_V1):
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """BlockStored for blocks this engine stored, BlockRemoved for those since evicted."""
+        """BlockStored for blocks this engine stored, BlockRemoved for those since gone
+        (AllBlocksCleared after a flush), under the configured medium (events.py)."""
         side = self._scheduler_side()
-        yield from compat.kv_events(side.take_removed(), side.take_stored(), MEDIUM)
+        yield from compat.kv_events(side.announced.take(), self.settings.kv_event_medium)
+
+    def reset_cache(self) -> bool:
+        """Drop this engine's announced state: every announced block is withdrawn (the
+        blocks stay in the shared cache; storing them again announces them again)."""
+        self._scheduler_side().announced.reset()
+        return True
 
     # ==================================================================================
     # Metrics (metrics.py)
@@ -304,6 +316,9 @@ class NopecacheConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Finish background loads and queued stores, then close the client."""
+        if self._removals is not None:
+            self._removals.close()
+            self._removals = None
         if self._worker is not None:
             self._worker.close()
         if self.client is not None:

@@ -45,13 +45,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from nopecache.client.chunking import ChunkSpan
+from nopecache.client.chunking import ChunkSpan, token_array
 from nopecache.client.errors import NopecacheError
 from nopecache.client.plan import ReusePlan
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.blend import blend_claim_end, blend_layout, blend_pays
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
+from nopecache.integrations.vllm.events import AnnouncedBlocks
 from nopecache.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan, StepReport
 from nopecache.integrations.vllm.rates import MeasuredRates
 
@@ -65,7 +66,6 @@ __all__ = [
     "Claim",
     "ConnectorTotals",
     "SchedulerSide",
-    "StoredBlocks",
     "claim_end",
     "trim_plan",
 ]
@@ -145,15 +145,6 @@ class Claim:
     approximate_from: int | None = None  # blend: first position the layer loop computes
 
 
-@dataclass(frozen=True, slots=True)
-class StoredBlocks:
-    """Blocks this engine made available in the shared cache (for a KV event)."""
-
-    block_hashes: tuple[BlockHash, ...]  # vLLM's own block hashes
-    token_ids: tuple[int, ...]
-    block_size: int
-
-
 @dataclass(slots=True)
 class _Tracked:
     request: Request  # for its block hashes
@@ -186,8 +177,11 @@ class SchedulerSide:
         model: ModelIdentity,
         client: CacheClient | None,
         blend_unsupported: str | None = None,
+        announced: AnnouncedBlocks | None = None,
     ) -> None:
         """A scheduler half using ``client`` (None: the connector loads nothing).
+
+        ``announced``: where stored blocks are announced for KV events (events.py).
 
         ``blend_unsupported``: why the engine cannot run blend mode (then it claims
         prefixes only and counts the requests that lost a blend claim).
@@ -202,10 +196,8 @@ class SchedulerSide:
         self._lookups: dict[str, concurrent.futures.Future[ReusePlan]] = {}
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
-        self._events: list[StoredBlocks] = []
-        # vLLM block hashes announced as stored and not yet seen gone (for BlockRemoved).
-        self._advertised: set[BlockHash] = set()
-        self._removed: list[BlockHash] = []
+        # Blocks announced in KV events, and their withdrawals (events.py).
+        self.announced = AnnouncedBlocks(clear_all=False) if announced is None else announced
         self._salted: dict[str, int] = {}  # request -> first block salted
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
@@ -331,13 +323,10 @@ class SchedulerSide:
 
     def _note_gone(self, request: Request, found_blocks: int, looked_up_blocks: int) -> None:
         """Announced blocks a lookup no longer finds were evicted: report them removed."""
-        if not self._advertised:
+        if not len(self.announced):
             return
         hashes = (compat.block_hashes(request) or [])[found_blocks:looked_up_blocks]
-        gone = [h for h in hashes if h in self._advertised]
-        if gone:
-            self._advertised.difference_update(gone)
-            self._removed.extend(gone)
+        self.announced.gone_hashes(hashes)
 
     def after_alloc(self, request: Request, block_ids: Sequence[int], num_external: int) -> None:
         """Record the blocks vLLM allocated; queue a load when tokens were claimed."""
@@ -403,9 +392,8 @@ class SchedulerSide:
         whole = end // bs
         hashes = tuple((compat.block_hashes(tracked.request) or [])[:whole])
         tokens = tracked.tokens[:end]
-        if whole:
-            self._events.append(StoredBlocks(hashes, tokens[: whole * bs], bs))
-        self._advertised.update(hashes)
+        if hashes and self.client is not None:
+            self.announced.stored(hashes, self.block_keys(tokens[: len(hashes) * bs]), tokens, bs)
         return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: -(-end // bs)]))
 
     def build_step(self, scheduler_output: SchedulerOutput) -> StepPlan:
@@ -449,12 +437,12 @@ class SchedulerSide:
         self._reported = now
         return delta
 
-    def take_stored(self) -> list[StoredBlocks]:
-        """Blocks stored since the last call (for vLLM KV events)."""
-        events, self._events = self._events, []
-        return events
-
-    def take_removed(self) -> list[BlockHash]:
-        """vLLM hashes of announced blocks found evicted since the last call."""
-        removed, self._removed = self._removed, []
-        return removed
+    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """The cache keys of the whole blocks of ``tokens`` (prefix mode, vLLM's blocks)."""
+        if self.client is None:
+            return []
+        keying = self.client.core.keying
+        chain, _ = keying.keys(
+            token_array(tokens), self.config.namespace, keying.chunker, prefix=True, pi=False
+        )
+        return [bytes(chunk.key) for chunk in chain]

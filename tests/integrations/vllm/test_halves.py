@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from nopecache.integrations.vllm.events import Removed, StoredRun
 from tests.support.server_procs import CacheServerProc
 from tests.support.vllm_halves import LAYERS, _Engine, _request
 
@@ -34,9 +35,9 @@ def test_second_engine_loads_the_first_ones_blocks_bit_exact(pair: Any) -> None:
     first = a.step(_request("r1", PROMPT), [3, 0, 2, 1], 0)
     assert first.claimed == 0
     assert [len(s.tokens) for s in first.plan.saves] == [14]  # the partial block too
-    stored = a.scheduler.take_stored()
+    stored = a.scheduler.announced.take()
     assert [len(s.block_hashes) for s in stored] == [3]  # vLLM hashes whole blocks only
-    assert [len(s.token_ids) for s in stored] == [12]
+    assert [len(s.token_ids) for s in stored if isinstance(s, StoredRun)] == [12]
 
     second = b.step(_request("r2", [*PROMPT[:12], 7, 8, 9, 10, 11]), [5, 6, 7, 8, 9], 0)
     assert second.claimed == 12
@@ -100,9 +101,9 @@ def test_evicted_blocks_are_announced_removed(pair: Any, cache_server: CacheServ
     a, _ = pair
     request = _request("r1", PROMPT)
     a.step(request, [3, 0, 2, 1], 0)
-    announced = a.scheduler.take_stored()[0].block_hashes
+    (stored,) = a.scheduler.announced.take()
     cache_server.kill()
     cache_server.start()  # a restarted server holds nothing
     assert a.matched(_request("r2", PROMPT), 0) == 0
-    assert tuple(a.scheduler.take_removed()) == announced
-    assert a.scheduler.take_removed() == []
+    assert a.scheduler.announced.take() == [Removed(stored.block_hashes)]
+    assert a.scheduler.announced.take() == []

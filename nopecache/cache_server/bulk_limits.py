@@ -1,0 +1,228 @@
+"""The bulk listener held to the server's own limits: tickets, connections, buffers, and
+sends timed by their progress (bulk.py is the codec; this is who may hold what).
+
+Principals are the gRPC ones (principals.py): the tenant with auth, else the gRPC
+connection that asked for the ticket, so that bulk sockets cannot multiply a client's
+shares. What one listener allows::
+
+    tickets      live (unredeemed, unexpired) tickets: per principal at most
+                 ``per_principal``, all together at most ``max_connections``; more are
+                 refused in the OpenBulk reply (``refused``), redeeming one is a dict
+                 lookup of its digest (no scan: 10k tickets cost a bogus HELLO nothing)
+    pending      sockets that have not said HELLO: at most ``max_pending``; one more
+                 evicts the oldest (a client says HELLO within a round trip, a squatter
+                 never), each closed after ``hello_timeout_s`` anyway
+    welcomed     at most ``max_connections`` in all (``--max-connections``) and
+                 ``per_principal`` for one principal; past either, an ERROR naming the
+                 option, then close
+    buffers      a connection borrows a send buffer for one GET and gives it back when
+                 the GET is sent; the pool keeps at most ``pool_bytes`` of idle buffers,
+                 so an idle connection holds none (it kept its largest block's size)
+
+Concurrency: the server's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nopecache.cache_server.inflight import Lease
+from nopecache.cache_server.tenants import Tenant
+from nopecache.cache_server.transfer_get import SendBuffer
+
+__all__ = ["BufferPool", "BulkAdmission", "Redeemed", "send_progressing"]
+
+
+@dataclass(frozen=True, slots=True)
+class Redeemed:
+    """What a valid ticket stands for: its tenant and the principal that asked for it."""
+
+    tenant: Tenant
+    owner: str
+
+
+class BulkAdmission:
+    """Tickets and connection slots of one bulk listener (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        per_principal: int,
+        max_pending: int,
+        ticket_ttl_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.max_connections = max_connections
+        self.per_principal = per_principal
+        self.max_pending = max_pending
+        self._ttl = ticket_ttl_s
+        self._clock = clock
+        # digest(ticket) -> (what it stands for, expiry); insertion order is expiry order.
+        self._tickets: OrderedDict[bytes, tuple[Redeemed, float]] = OrderedDict()
+        self._tickets_of: dict[str, int] = {}
+        self._pending: OrderedDict[asyncio.Task[None], None] = OrderedDict()
+        self._welcomed: dict[str, int] = {}
+
+    # -- tickets -------------------------------------------------------------------------
+    def issue(self, ticket: bytes, tenant: Tenant, owner: str) -> str | None:
+        """Record ``ticket`` for ``owner``; None, or why it is refused (a full table)."""
+        self._expire()
+        if self._tickets_of.get(owner, 0) >= self.per_principal:
+            return (
+                f"bulk tickets: this client holds {self.per_principal} unused tickets "
+                "(one per connection it may open); use or let them expire first"
+            )
+        if len(self._tickets) >= self.max_connections:
+            return f"bulk tickets: {len(self._tickets)} unused tickets (max_connections)"
+        self._tickets[_digest(ticket)] = (Redeemed(tenant, owner), self._clock() + self._ttl)
+        self._tickets_of[owner] = self._tickets_of.get(owner, 0) + 1
+        return None
+
+    def redeem(self, ticket: bytes) -> Redeemed | None:
+        """What a presented ticket stands for, once (None: unknown or expired)."""
+        found = self._tickets.pop(_digest(ticket), None)
+        if found is None:
+            return None
+        redeemed, until = found
+        self._drop_ticket_of(redeemed.owner)
+        return redeemed if until > self._clock() else None
+
+    def live_tickets(self) -> int:
+        """Tickets issued and not yet redeemed or expired."""
+        self._expire()
+        return len(self._tickets)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._tickets:
+            digest, (redeemed, until) = next(iter(self._tickets.items()))
+            if until > now:
+                return
+            del self._tickets[digest]
+            self._drop_ticket_of(redeemed.owner)
+
+    def _drop_ticket_of(self, owner: str) -> None:
+        n = self._tickets_of[owner] - 1
+        if n:
+            self._tickets_of[owner] = n
+        else:
+            del self._tickets_of[owner]
+
+    # -- connections ---------------------------------------------------------------------
+    def arrived(self, task: asyncio.Task[None]) -> None:
+        """A socket that has not said HELLO yet; evicts the oldest such past the cap."""
+        while len(self._pending) >= self.max_pending:
+            oldest, _ = self._pending.popitem(last=False)
+            oldest.cancel()
+        self._pending[task] = None
+
+    def left_pending(self, task: asyncio.Task[None]) -> None:
+        """The socket said HELLO (or went away)."""
+        self._pending.pop(task, None)
+
+    def pending(self) -> int:
+        """Sockets that have not said HELLO."""
+        return len(self._pending)
+
+    def welcome(self, owner: str) -> str | None:
+        """Take a connection slot for ``owner``; None, or why not (naming the option)."""
+        if sum(self._welcomed.values()) >= self.max_connections:
+            return f"max_connections: the bulk listener holds {self.max_connections} connections"
+        if self._welcomed.get(owner, 0) >= self.per_principal:
+            return (
+                f"max_connections: this client holds {self.per_principal} bulk connections, "
+                "its share of the listener"
+            )
+        self._welcomed[owner] = self._welcomed.get(owner, 0) + 1
+        return None
+
+    def leave(self, owner: str) -> None:
+        """Give back a slot taken by ``welcome``."""
+        n = self._welcomed[owner] - 1
+        if n:
+            self._welcomed[owner] = n
+        else:
+            del self._welcomed[owner]
+
+    def welcomed(self, owner: str | None = None) -> int:
+        """Connections past their HELLO (of ``owner``, or all)."""
+        if owner is None:
+            return sum(self._welcomed.values())
+        return self._welcomed.get(owner, 0)
+
+
+class BufferPool:
+    """Send buffers lent to connections for one GET each; at most ``pool_bytes`` idle."""
+
+    def __init__(self, pool_bytes: int) -> None:
+        self.pool_bytes = pool_bytes
+        self._idle: list[SendBuffer] = []
+        self.lent = 0
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes the pool keeps for the next GETs."""
+        return sum(len(b.data) for b in self._idle)
+
+    def borrow(self) -> SendBuffer:
+        """The largest idle buffer, or a new empty one."""
+        self.lent += 1
+        return self._idle.pop() if self._idle else SendBuffer()
+
+    def give_back(self, buffer: SendBuffer) -> None:
+        """Keep ``buffer`` for reuse if the pool has room, else let it go."""
+        self.lent -= 1
+        if self.idle_bytes + len(buffer.data) <= self.pool_bytes:
+            self._idle.append(buffer)
+            self._idle.sort(key=lambda b: len(b.data))
+
+
+async def send_progressing(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes | memoryview, lease: Lease
+) -> None:
+    """Send all of ``data``, the lease's idle timer restarted at every byte the kernel
+    takes: a reader that keeps reading, however slowly, is not cut mid-block; one that
+    takes nothing for ``stream_idle_timeout_s`` is (the lease's watch cancels the task)."""
+    view = memoryview(data).cast("B")
+    sent, n = 0, view.nbytes
+    while sent < n:
+        try:
+            k = conn.send(view[sent:])
+        except (BlockingIOError, InterruptedError):
+            k = 0
+        if k:
+            sent += k
+            continue
+        lease.begin_wait()
+        try:
+            await _writable(loop, conn)
+        finally:
+            lease.end_wait()
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    """Wait until ``conn`` can take more bytes."""
+    ready: asyncio.Future[None] = loop.create_future()
+    fd = conn.fileno()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fd)
+
+
+def _digest(ticket: bytes) -> bytes:
+    # Keyed by a digest, not the ticket: a dict lookup's timing then says nothing about
+    # how much of a guessed ticket is right.
+    return hashlib.sha256(ticket).digest()
