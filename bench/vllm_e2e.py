@@ -21,7 +21,8 @@ every hit comes through the connector):
 
 With ``--peer lmcache`` (never in ``make test``) scenario 1 runs again with LMCache's
 multiprocess connector (``lmcache server`` + ``LMCacheMPConnector``) in place of
-nopecache's, on the same prompts, and the line adds ``lmcache_ttft_speedup=...``. It needs
+nopecache's, on the same prompts, and the line adds ``lmcache_ttft_speedup=...`` and
+``cached_vs_lmcache=...`` (nopecache's cached TTFT over LMCache's; target <= 0.35). It needs
 ``lmcache==0.5.6`` importable from ``--lmcache-overlay`` (default ``.lmcache-overlay``:
 ``.venv-vllm/bin/pip install --no-deps --target .lmcache-overlay lmcache==0.5.6
 sortedcontainers aiofile caio opentelemetry-exporter-prometheus``).
@@ -333,6 +334,8 @@ def main() -> None:
             result["lmcache_ttft_cached_ms"] = peer["ttft_cached_ms"]
             result["lmcache_ttft_speedup"] = peer["ttft_speedup"]
             result["lmcache_claimed_tokens"] = peer["claimed_tokens"]
+            # Target <= 0.35: nopecache's cached TTFT over LMCache's, same prompts, same run.
+            result["cached_vs_lmcache"] = result["ttft_cached_ms"] / peer["ttft_cached_ms"]
     fields = " ".join(
         f"{k}={v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{k}={int(v)}"
         for k, v in result.items()

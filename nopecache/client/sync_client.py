@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -131,6 +132,34 @@ class CacheClient:
                 namespace=namespace,
                 allow_position_independent=allow_position_independent,
             )
+        )
+
+    def submit_lookup(
+        self,
+        tokens: TokenIds,
+        *,
+        chunking: Chunker | None = None,
+        segments: Sequence[int] | None = None,
+        namespace: Namespace | None = None,
+        allow_position_independent: bool = True,
+    ) -> concurrent.futures.Future[ReusePlan]:
+        """Start :meth:`lookup` on the client's loop and return at once: its future.
+
+        For callers that must not wait on the network (an engine's scheduler asks again
+        on a later step). The future raises what ``lookup`` raises; cancelling it cancels
+        the lookup.
+        """
+        if threading.current_thread() is self._thread:
+            raise InvalidArgumentError("CacheClient", "called from its own loop thread")
+        return asyncio.run_coroutine_threadsafe(
+            self._core.lookup(
+                tokens,
+                chunking=chunking,
+                segments=segments,
+                namespace=namespace,
+                allow_position_independent=allow_position_independent,
+            ),
+            self._loop,
         )
 
     def fetch(

@@ -5,6 +5,7 @@ request as vLLM hands it over (token ids and block hashes).
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +19,7 @@ from nopecache.integrations.vllm.worker import WorkerSide
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 from tests.support.server_procs import CacheServerProc
+from tests.support.slow_lookups import SlowServer
 
 LAYERS, HEADS, DIM, BS, NB = 2, 2, 8, 4, 12
 
@@ -48,15 +50,17 @@ class _Engine:
 
     def __init__(
         self,
-        server: CacheServerProc,
+        server: CacheServerProc | SlowServer,
         seed: int,
         query: str = "?lookup_timeout=300ms",
         blend_unsupported: str | None = None,
         layout: str = "flash",
+        device: str = "cpu",
         **extra: Any,
     ) -> None:
         """``layout``: "flash" (FlashAttention's ``[2, blocks, block_size, heads, dim]``) or
-        "cpu" (vLLM's CPU attention pages ``[blocks, heads, block_size, 2 * dim]``)."""
+        "cpu" (vLLM's CPU attention pages ``[blocks, heads, block_size, 2 * dim]``); the
+        caches live on ``device``."""
         model = _identity()
         self.config = ConnectorConfig.from_extra_config(
             {"url": f"nopecache://{server.address}{query}", **extra}
@@ -71,7 +75,7 @@ class _Engine:
         gen = torch.Generator().manual_seed(seed)
         shape = (2, NB, BS, HEADS, DIM) if layout == "flash" else (NB, HEADS, BS, 2 * DIM)
         self.caches = {
-            f"model.layers.{i}.self_attn.attn": torch.randn(*shape, generator=gen)
+            f"model.layers.{i}.self_attn.attn": torch.randn(*shape, generator=gen).to(device)
             for i in reversed(range(LAYERS))  # registration order must not matter
         }
         self.scheduler = SchedulerSide(self.config, model, self.client, blend_unsupported)
@@ -87,9 +91,20 @@ class _Engine:
         cache = self.cache(layer)
         return self.worker.layout.k_view(cache), self.worker.layout.v_view(cache)
 
+    def matched(self, request: Any, computed: int) -> int:
+        """``matched_tokens`` asked again until it answers, as vLLM's scheduler does on
+        each step while the lookup is in flight (None)."""
+        # Only a hang guard: a loopback lookup answers in milliseconds, or fails after
+        # the client's lookup timeout (300 ms here).
+        deadline = time.monotonic() + 60
+        while (claimed := self.scheduler.matched_tokens(request, computed)) is None:
+            assert time.monotonic() < deadline, "the lookup never finished"
+            time.sleep(0.001)
+        return claimed
+
     def step(self, request: Any, block_ids: list[int], computed: int) -> Any:
         """Schedule the whole prompt of ``request`` in one step; run load and save."""
-        claimed = self.scheduler.matched_tokens(request, computed)
+        claimed = self.matched(request, computed)
         self.scheduler.after_alloc(request, block_ids, claimed)
         n = len(request.prompt_token_ids)
         output = SimpleNamespace(

@@ -24,6 +24,11 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      requests (the request waits in
                                      WAITING_FOR_REMOTE_KVS); false: fetch before the
                                      step's forward
+    lookup_wait_ms
+                 float  2.0          how long vLLM's scheduler waits for a lookup before
+                                     answering "not yet" (the request is asked again on
+                                     a later step while other requests run); 0: never
+                                     wait, every looked-up request costs one step
     save         bool   true         store the KV of every prefilled prompt
     segment_token_ids
                  list   []           token ids that start a segment (e.g. the id of
@@ -113,6 +118,7 @@ class ConnectorConfig:
     namespace: str = ""
     load: bool = True
     load_async: bool = False
+    lookup_wait_ms: float = 2.0
     save: bool = True
     segment_token_ids: frozenset[int] = frozenset()
     recompute_policy: str = DEFAULT_POLICY_NAME
@@ -125,6 +131,7 @@ class ConnectorConfig:
         "namespace",
         "load",
         "load_async",
+        "lookup_wait_ms",
         "save",
         "segment_token_ids",
         "recompute_policy",
@@ -176,6 +183,11 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "recompute_budget", f"must be a number in [0, 1] (e.g. 0.15), got {budget!r}"
             )
+        wait = extra.get("lookup_wait_ms", 2.0)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0.0 <= wait <= 1e4:
+            raise ConnectorConfigError(
+                "lookup_wait_ms", f"must be a number of milliseconds in [0, 10000], got {wait!r}"
+            )
         medium = _str("kv_event_medium", extra.get("kv_event_medium", DEFAULT_MEDIUM))
         if not medium or not medium.isprintable() or any(c.isspace() for c in medium):
             raise ConnectorConfigError(
@@ -183,6 +195,7 @@ class ConnectorConfig:
             )
         return cls(
             client=client,
+            lookup_wait_ms=float(wait),
             kv_event_medium=medium,
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
             recompute_policy=policy,

@@ -249,9 +249,12 @@ class NopecacheConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens after ``num_computed_tokens`` the cache can supply, and whether they load
-        in the background (``load_async``)."""
+        in the background (``load_async``); ``(None, False)`` while the lookup is in
+        flight: vLLM skips the request this step and asks again on a later one."""
         side = self._scheduler_side()
         n = side.matched_tokens(request, num_computed_tokens)
+        if n is None:
+            return None, False
         return n, n > 0 and side.claim_is_async(compat.request_id(request))
 
     def update_state_after_alloc(

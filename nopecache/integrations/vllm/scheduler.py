@@ -9,6 +9,13 @@ hold (cut at vLLM's block size, so keys match vLLM's blocks one to one), extende
 right after it. It is aligned down to a block boundary and never reaches the prompt's
 last token (vLLM must compute at least one token to sample from). A lookup that fails
 (server down, slow, bad reply) claims 0 tokens: the request runs as if uncached.
+
+Lookups never hold up the batch. ``matched_tokens`` starts the request's lookup on the
+client's loop (``CacheClient.submit_lookup``) and waits at most ``lookup_wait_ms``
+for it; still in flight, it answers None, vLLM skips the request for this step (the
+other requests' steps run) and asks again on the next, when the finished lookup is
+claimed. A slow or far server costs the requests it serves a step or a few, never the
+engine a stall.
 With ``pi_reuse="blend"`` the whole prompt is looked up and the claim reaches the end of
 the last hit anywhere in it, misses included (``blend.py``), when the cost model
 says it pays; the worker then runs the layer loop over the range.
@@ -31,6 +38,7 @@ Concurrency: every method runs on vLLM's scheduler thread; the client is thread-
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 from collections.abc import Iterable, Sequence
@@ -184,6 +192,8 @@ class SchedulerSide:
         self.blend = config.blend and blend_unsupported is None
         self.policy = config.policy() if self.blend else None
         self._claims: dict[str, Claim] = {}
+        # Lookups in flight, by request (answered on a later call of matched_tokens).
+        self._lookups: dict[str, concurrent.futures.Future[ReusePlan]] = {}
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         # Blocks announced in KV events, and their withdrawals (events.py).
@@ -195,8 +205,9 @@ class SchedulerSide:
         self.rates = MeasuredRates(model.num_layers, per_token * model.dtype.itemsize)
 
     # -- claims -----------------------------------------------------------------------
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that the cache can supply (0 on failure)."""
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that the cache can supply (0 on failure);
+        None while the request's lookup is still in flight (vLLM asks again next step)."""
         if self.client is None or not self.config.load:
             return 0
         req_id = compat.request_id(request)
@@ -211,19 +222,40 @@ class SchedulerSide:
         # Blend mode looks up the whole prompt: a hit that crosses the claim's limit (a
         # moved message ending near the prompt's end) is then found, and used up to it.
         tokens = prompt if self.config.blend else prompt[:limit]
-        contiguous = self.config.pi_reuse == "contiguous"
-        self.totals.lookups += 1
-        try:
-            plan = self.client.lookup(
+        pending = self._lookups.get(req_id)
+        if pending is None:
+            self.totals.lookups += 1
+            pending = self._lookups[req_id] = self.client.submit_lookup(
                 tokens,
                 segments=self.config.segments(tokens),
                 namespace=self.config.namespace,
                 allow_position_independent=self.config.pi_reuse != "off",
             )
+        try:
+            plan = pending.result(timeout=self.config.lookup_wait_ms / 1000)
+        except TimeoutError:
+            return None  # in flight: this request waits a step, the batch does not
         except NopecacheError as err:  # a client-side failure: run uncached, say why
+            del self._lookups[req_id]
             self.totals.lookup_failures += 1
             log.warning("nopecache lookup failed for %s: %s", req_id, err)
             return 0
+        del self._lookups[req_id]
+        return self._claim(request, tokens, plan, num_computed_tokens, limit)
+
+    def _claim(
+        self,
+        request: Request,
+        tokens: Sequence[int],
+        plan: ReusePlan,
+        num_computed_tokens: int,
+        limit: int,
+    ) -> int:
+        """Claim what ``plan`` (the lookup of ``tokens``) supplies past vLLM's own tokens."""
+        req_id = compat.request_id(request)
+        bs = self.model.block_size
+        contiguous = self.config.pi_reuse == "contiguous"
+        tokens = tuple(tokens)
         self._note_gone(request, plan.prefix_end // bs, limit // bs)
         end = claim_end(plan, contiguous=contiguous, limit=limit, block_size=bs)
         end = max(end, num_computed_tokens)
@@ -391,6 +423,9 @@ class SchedulerSide:
     def finished(self, req_ids: Iterable[str]) -> None:
         """Forget finished requests."""
         for req_id in req_ids:
+            pending = self._lookups.pop(req_id, None)
+            if pending is not None:
+                pending.cancel()
             self._tracked.pop(req_id, None)
             self._claims.pop(req_id, None)
             self._salted.pop(req_id, None)

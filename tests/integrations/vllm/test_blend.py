@@ -133,7 +133,7 @@ def test_blend_claim_covers_a_moved_segment_and_salts_vllms_hashes(blend_pair: A
     prompt = [1, *range(90, 97), *SEGMENT, 1, 80, 81, 82]  # the segment moved to 8..21
     request = _request("r2", prompt)
     exact_hashes = list(request.block_hashes)
-    claimed = b.scheduler.matched_tokens(request, 0)
+    claimed = b.matched(request, 0)
     assert claimed == 20  # to the segment's last hit (21), block aligned; misses included
     assert all(new != old for new, old in zip(request.block_hashes, exact_hashes, strict=True))
     b.scheduler.after_alloc(request, [4, 5, 6, 7, 8, 9, 10], claimed)
@@ -174,7 +174,7 @@ def test_an_engine_without_blend_support_claims_prefixes_only(
         a.step(_request("r1", [*SEGMENT, 1, 70, 71]), [0, 1, 2, 3], 0)
         request = _request("r2", [1, *range(90, 97), *SEGMENT, 1, 80, 81, 82])
         hashes = list(request.block_hashes)
-        assert b.scheduler.matched_tokens(request, 0) == 0
+        assert b.matched(request, 0) == 0
         assert request.block_hashes == hashes
         assert b.scheduler.totals.blend_fallbacks == 1
     finally:

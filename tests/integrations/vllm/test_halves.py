@@ -68,9 +68,9 @@ def test_claims_stop_before_the_last_token_and_at_vllms_cache(pair: Any) -> None
     a, b = pair
     a.step(_request("r1", PROMPT), [3, 0, 2, 1], 0)
     # The same 12 tokens again: the last token is never claimed, so one block less.
-    assert b.scheduler.matched_tokens(_request("r2", PROMPT[:12]), 0) == 8
+    assert b.matched(_request("r2", PROMPT[:12]), 0) == 8
     # vLLM already holds the first block: only the rest is claimed.
-    assert b.scheduler.matched_tokens(_request("r3", PROMPT), 4) == 8
+    assert b.matched(_request("r3", PROMPT), 4) == 8
 
 
 def test_a_claim_whose_server_died_is_a_load_error(
@@ -79,7 +79,7 @@ def test_a_claim_whose_server_died_is_a_load_error(
     a, b = pair
     a.step(_request("r1", PROMPT), [3, 0, 2, 1], 0)
     request = _request("r2", PROMPT)
-    claimed = b.scheduler.matched_tokens(request, 0)
+    claimed = b.matched(request, 0)
     assert claimed == 12
     b.scheduler.after_alloc(request, [5, 6, 7, 8], claimed)
     cache_server.kill()
@@ -94,7 +94,7 @@ def test_a_claim_whose_server_died_is_a_load_error(
     assert b.worker.take_errors() == {5, 6, 7}
     assert all(torch.equal(b.cache(i), before[i]) for i in range(LAYERS))
     # With the server gone, the next lookup claims nothing.
-    assert b.scheduler.matched_tokens(_request("r3", PROMPT), 0) == 0
+    assert b.matched(_request("r3", PROMPT), 0) == 0
 
 
 def test_evicted_blocks_are_announced_removed(pair: Any, cache_server: CacheServerProc) -> None:
@@ -104,6 +104,6 @@ def test_evicted_blocks_are_announced_removed(pair: Any, cache_server: CacheServ
     (stored,) = a.scheduler.announced.take()
     cache_server.kill()
     cache_server.start()  # a restarted server holds nothing
-    assert a.scheduler.matched_tokens(_request("r2", PROMPT), 0) == 0
+    assert a.matched(_request("r2", PROMPT), 0) == 0
     assert a.scheduler.announced.take() == [Removed(stored.block_hashes)]
     assert a.scheduler.announced.take() == []

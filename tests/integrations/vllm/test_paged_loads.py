@@ -49,11 +49,19 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[_KernelCalls]:
     yield calls
 
 
-@pytest.mark.parametrize("layout", ["flash", "cpu"])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    ("layout", "device"),
+    [("flash", "cpu"), ("cpu", "cpu"), pytest.param("flash", "cuda", marks=CUDA)],
+)
 def test_prefix_loads_land_through_the_kernel_past_vllms_own_blocks(
-    cache_server: CacheServerProc, kernel: _KernelCalls, layout: str
+    cache_server: CacheServerProc, kernel: _KernelCalls, layout: str, device: str
 ) -> None:
-    a, b = _Engine(cache_server, 1, layout=layout), _Engine(cache_server, 2, layout=layout)
+    # On CUDA (make gpu-check) the FlashAttention caches take the Triton kernel.
+    a = _Engine(cache_server, 1, layout=layout, device=device)
+    b = _Engine(cache_server, 2, layout=layout, device=device)
     try:
         a.step(_request("r1", PROMPT), [3, 0, 2, 1], 0)
         assert kernel.slots == []  # a stores only

@@ -82,12 +82,12 @@ def test_a_warm_up_step_alone_never_declines_a_blend_claim(blend_pair: Any) -> N
     # a microsecond: as a rate 13M tokens/s, vLLM would prefill the range in 2 us.
     b.scheduler.on_report(StepReport(fetched_bytes=10**6, fetch_seconds=1.0))
     b.scheduler.on_report(StepReport(computed_tokens=13, forward_seconds=1e-6))
-    assert b.scheduler.matched_tokens(_moved("r1"), 0) == 20
+    assert b.matched(_moved("r1"), 0) == 20
     assert b.scheduler.totals.blend_claimed_tokens == 0  # counted once allocated
     # Measured over enough steps, the same speed declines it (the prefix claim: nothing).
     for _ in range(3):
         b.scheduler.on_report(StepReport(computed_tokens=100, forward_seconds=1e-5))
-    assert b.scheduler.matched_tokens(_moved("r2"), 0) == 0
+    assert b.matched(_moved("r2"), 0) == 0
 
 
 def test_slow_fetches_reported_by_the_workers_decline_a_blend_claim(blend_pair: Any) -> None:
@@ -96,10 +96,10 @@ def test_slow_fetches_reported_by_the_workers_decline_a_blend_claim(blend_pair: 
         b.scheduler.on_report(StepReport(computed_tokens=100, forward_seconds=0.1))
     fetched = b.client.stats().fetched_bytes
     # Fetches not measured yet: the claim pays (the loop runs 20 - 12 * 0.85 tokens of 20).
-    assert b.scheduler.matched_tokens(_moved("r1"), 0) == 20
+    assert b.matched(_moved("r1"), 0) == 20
     # The workers report their fetches at 1 KB/s: fetching 12 tokens (9 KiB of K+V at
     # 768 bytes a token) takes seconds, vLLM prefills the range in 20 ms: declined.
     b.scheduler.on_report(StepReport(fetched_bytes=1000, fetch_seconds=1.0))
-    assert b.scheduler.matched_tokens(_moved("r2"), 0) == 0
+    assert b.matched(_moved("r2"), 0) == 0
     # The scheduler's own client fetched nothing: the workers' reports alone decided.
     assert b.client.stats().fetched_bytes == fetched
