@@ -82,7 +82,7 @@ class QuestionAware(RecomputePolicy):
     start: float = 0.0
     heads: Heads = "mean"
     label: str = ""
-    prescan: bool = False  # type: ignore[assignment]
+    prescan: bool = False
     """Rank before layer 0 on the cached layer-0 keys (no candidates: see the module doc)."""
 
     def __post_init__(self) -> None:

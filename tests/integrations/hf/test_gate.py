@@ -127,5 +127,5 @@ def test_thresholds_name_the_bad_field() -> None:
         ({"max_rope_error": "x"}, "max_rope_error"),
     ):
         with pytest.raises(InvalidArgumentError) as err:
-            GateThresholds(**kwargs)  # type: ignore[arg-type]
+            GateThresholds(**kwargs)
         assert err.value.argument == field
