@@ -282,6 +282,11 @@ def _build(config: dict[str, Any]) -> Any:
             kv_role="kv_both",
             kv_connector_extra_config=config["connector"],
         )
+    extra = dict(config["extra"])
+    if "kv_events_config" in extra:  # JSON in the config: vLLM's own type here
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(**extra["kv_events_config"])
     return LLM(
         model=config["model"],
         dtype=config["dtype"],
@@ -291,7 +296,7 @@ def _build(config: dict[str, Any]) -> Any:
         disable_log_stats=False,
         seed=0,
         **kwargs,
-        **config["extra"],
+        **extra,
     )
 
 
