@@ -14,8 +14,13 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.nopecache-installed
 # The SmolLM2 folder vLLM loads, converted once by the main environment.
 VLLM_MODEL = $$($(BIN)/python -m tests.support.local_model)
+# SGLang's classes (HiCache storage backend tests): CPU torch and only what importing SGLang's
+# memory-cache modules needs (requirements-sglang.txt), SGLang itself with --no-deps.
+SGLANG_VENV := .venv-sglang
+SGLANG_BIN := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.nopecache-installed
 
-.PHONY: all venv vllm dynamo demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-quick proto redis-server lock clean gpu-check image test-image
+.PHONY: all venv vllm dynamo sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-sglang bench-quick proto redis-server lock clean gpu-check image test-image
 
 all: test
 
@@ -42,6 +47,19 @@ $(VLLM_STAMP): pyproject.toml requirements-vllm.txt constraints/vllm.txt
 vllm: $(VLLM_STAMP) venv
 	$(BIN)/python -m tests.support.local_model
 
+# SGLang 0.5.23's full requirements are a CUDA stack; --no-deps plus requirements-sglang.txt
+# is what its memory-cache modules import. torchvision (imported by sglang.srt.configs) is
+# PyPI's CUDA-linked build, installed without its deps so it cannot replace CPU torch.
+$(SGLANG_STAMP): pyproject.toml requirements-sglang.txt constraints/sglang.txt
+	test -x $(SGLANG_BIN)/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
+	$(SGLANG_BIN)/python -m pip install -q -c constraints/sglang.txt -r requirements-sglang.txt
+	$(SGLANG_BIN)/python -m pip install -q --no-deps -c constraints/sglang.txt sglang torchvision
+	$(SGLANG_BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat
+	touch $@
+
+sglang: $(SGLANG_STAMP)
+
 # Dynamo's standalone KV indexer (a router-side consumer of vLLM's KV events) for the
 # events test; an environment of its own (its runtime pins differ from vLLM's).
 DYNAMO_VENV := .venv-dynamo
@@ -62,6 +80,10 @@ lock:
 	$(PYTHON) -m venv .lock/vllm
 	.lock/vllm/bin/python -m pip install -q -r requirements-vllm.txt
 	.lock/vllm/bin/python -m pip freeze --exclude-editable > constraints/vllm.txt
+	$(PYTHON) -m venv .lock/sglang
+	.lock/sglang/bin/python -m pip install -q -r requirements-sglang.txt
+	.lock/sglang/bin/python -m pip install -q --no-deps sglang==0.5.23 torchvision==0.28.0
+	.lock/sglang/bin/python -m pip freeze --exclude-editable > constraints/sglang.txt
 	rm -rf .lock
 
 redis-server:
@@ -79,6 +101,7 @@ typecheck: venv
 test: venv redis-server lint typecheck
 	$(BIN)/python -m pytest
 	$(MAKE) test-vllm
+	$(MAKE) test-sglang
 	$(MAKE) test-image
 
 # The server image (deploy/Dockerfile) with whichever builder works here: docker, podman or
@@ -96,6 +119,11 @@ test-image: venv
 test-vllm: vllm redis-server dynamo
 	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python -m pytest tests/integrations/vllm/engine
 
+# SGLang's own classes on CPU: the HiCache storage backend loaded by SGLang's factory, pages
+# between two real host pools through a real server (and the bench's --quick run).
+test-sglang: sglang
+	$(SGLANG_BIN)/python -m pytest tests/integrations/sglang
+
 # The demo on vLLM: one nopecache server, two vLLM engines (examples/demo_vllm.py).
 demo: vllm
 	NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python examples/demo_vllm.py
@@ -108,9 +136,10 @@ demo-hf: venv
 # hide the benches after it); the target fails at the end, naming each bench that did.
 bench: venv redis-server
 	@failed=""; for b in bench/[!_]*.py; do \
-	  case $$b in bench/vllm_*) continue;; esac; echo "== $$b"; \
+	  case $$b in bench/vllm_*|bench/sglang_*) continue;; esac; echo "== $$b"; \
 	  $(BIN)/python $$b || failed="$$failed $$b"; done; \
 	$(MAKE) --no-print-directory bench-vllm || failed="$$failed bench-vllm"; \
+	$(MAKE) --no-print-directory bench-sglang || failed="$$failed bench-sglang"; \
 	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
 
 # Benchmarks that drive a real vLLM run in its environment.
@@ -119,13 +148,21 @@ bench-vllm: vllm
 	  echo "== $$b"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b || failed="$$failed $$b"; done; \
 	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
 
+# Benchmarks that drive SGLang's classes run in its environment.
+bench-sglang: sglang
+	@failed=""; for b in bench/sglang_*.py; do \
+	  echo "== $$b"; $(SGLANG_BIN)/python $$b || failed="$$failed $$b"; done; \
+	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
+
 # Every bench in its --quick mode (tiny sizes, one pass, the same RESULT keys), in the
 # order of `make bench`: a smoke run of seconds each (the vLLM ones start their engines).
 # `make test` runs the same through tests/bench/test_quick.py and, in the vLLM suite,
 # tests/integrations/vllm/engine/test_bench_quick.py.
-bench-quick: venv redis-server vllm
+bench-quick: venv redis-server vllm sglang
 	@set -e; for b in bench/[!_]*.py; do \
-	  case $$b in bench/vllm_*) continue;; esac; echo "== $$b --quick"; $(BIN)/python $$b --quick; done
+	  case $$b in bench/vllm_*|bench/sglang_*) continue;; esac; echo "== $$b --quick"; $(BIN)/python $$b --quick; done
+	@set -e; for b in bench/sglang_*.py; do \
+	  echo "== $$b --quick"; $(SGLANG_BIN)/python $$b --quick; done
 	@set -e; for b in bench/vllm_*.py; do \
 	  echo "== $$b --quick"; NOPECACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_BIN)/python $$b --quick; done
 
@@ -140,4 +177,4 @@ proto: venv
 	$(BIN)/python -m nopecache.proto.generate
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache

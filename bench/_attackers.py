@@ -103,7 +103,9 @@ async def watch_flood(address: str, n: int, end: float, report: FloodReport) -> 
             calls = [c for c in calls if not c.done()]
             fresh = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(n - len(calls))]
             for call in fresh:
-                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+                with contextlib.suppress(
+                    grpc.aio.AioRpcError, asyncio.CancelledError, TimeoutError
+                ):
                     await asyncio.wait_for(call.read(), 2)
             calls += fresh
             report.watches_held = max(report.watches_held, sum(not c.done() for c in calls))
@@ -198,7 +200,8 @@ async def budget_squat(address: str, n: int, end: float, report: FloodReport) ->
     report.squat_cut = await _stalled_puts(address, SQUAT, n, first, [], end)
 
 
-async def _bulk_port(address: str, token: str) -> tuple[int, bytes]:
+async def _bulk_tickets(address: str, token: str, n: int) -> list[tuple[int, bytes]]:
+    """``n`` (port, ticket) pairs asked for over one connection (0: refused)."""
     from _hostile import channel
 
     async with channel(address, token) as ch:
@@ -207,14 +210,14 @@ async def _bulk_port(address: str, token: str) -> tuple[int, bytes]:
             request_serializer=pb.OpenBulkRequest.SerializeToString,
             response_deserializer=pb.OpenBulkReply.FromString,
         )
-        reply = await call(pb.OpenBulkRequest(), timeout=10)
-    return reply.port, reply.ticket
+        replies = [await call(pb.OpenBulkRequest(), timeout=10) for _ in range(n)]
+    return [(r.port, r.ticket) for r in replies]
 
 
 async def bulk_squat(address: str, n: int, end: float, report: FloodReport) -> None:
     """Sockets to the bulk port that never say HELLO, re-opened as they are closed."""
     host = address.rpartition(":")[0]
-    port, _ = await _bulk_port(address, SQUAT)
+    ((port, _),) = await _bulk_tickets(address, SQUAT, 1)
 
     async def one() -> None:
         while time.monotonic() < end:
@@ -241,6 +244,8 @@ async def idle_bulk(address: str, n: int, end: float, report: FloodReport) -> No
     k = key("idlebulk", 0)
     async with channel(address, SQUAT) as ch:
         await cache_pb2_grpc.KVCacheStub(ch).Put(_one(frames_of(k, block(k, 16 * MiB))), timeout=30)
+    # Tickets first (valid 30 s), before the idle flood takes the gRPC port.
+    tickets = await _bulk_tickets(address, SQUAT, n)
     host = address.rpartition(":")[0]
 
     def fetch(port: int, ticket: bytes) -> socket.socket:
@@ -259,8 +264,7 @@ async def idle_bulk(address: str, n: int, end: float, report: FloodReport) -> No
         return sock
 
     socks = []
-    for _ in range(n):
-        port, ticket = await _bulk_port(address, SQUAT)
+    for port, ticket in tickets:
         if port:
             socks.append(await asyncio.to_thread(fetch, port, ticket))
             report.idle_bulk_opened += 1

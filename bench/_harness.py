@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +50,13 @@ def cache_server(capacity: str, log: Path) -> Iterator[str]:
         f"cpu://?capacity={capacity}&pinned=no",
     ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            preexec_fn=_die_with_parent,
+        )
     address = f"127.0.0.1:{port}"
     try:
         # A server that exits (a refused configuration) is reported at once with its exit
@@ -63,6 +71,19 @@ def cache_server(capacity: str, log: Path) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait()
+
+
+# Resolved here, not in the forked child (a dlopen there could wait on a lock another
+# thread held at the fork).
+_PRCTL = ctypes.CDLL(None).prctl
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the server child before exec: SIGKILL it when the thread that started it dies
+    (Linux; the bench's main thread), so that a bench killed outright (the OOM killer,
+    SIGKILL) leaves no server holding its pool."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def best_of(reps: int, run: Callable[[], object]) -> float:

@@ -231,8 +231,10 @@ def build_case(
     client: CacheClient,
     p: EvalPrompt,
     stop: Sequence[int],
+    wanted: Sequence[Sink] = SINKS,
 ) -> Case:
-    """Reference, stores and reuse of one prompt (see the module doc)."""
+    """Reference, stores and reuse of one prompt (see the module doc), for the ``wanted``
+    sinks only (each costs a forward of every chunk and a store)."""
     pt = parts(tokenizer, p)
     ref = reference(engine, tokenizer, pt.tokens, stop)
     case = Case(p, pt, ref, fact_margin(tokenizer, p, ref))
@@ -254,6 +256,8 @@ def build_case(
         "dialog": encode(tokenizer, DIALOG_SINK) + pt.opener,
     }
     for sink, sink_tokens in sinks.items():
+        if sink not in wanted:
+            continue
         source = CacheClientSource(client, wait=True, namespace=f"{p.name}/sink={sink}")
         source.store(pt.context, context_kv, position_independent=False)
         if earlier is not None:

@@ -9,32 +9,42 @@ stored as exact-prefix blocks of 256 tokens:
     smollm2     30 layers x 3 KV heads x 64   (22.5 KiB per token)
     llama3-8b   32 layers x 8 KV heads x 128  (128 KiB per token)
 
-at 256, 1024 and 4096 tokens. Per shape and size, each the best of ``--reps`` after a
-warm-up, with GB/s = 10^9 bytes of K and V payload per second::
+at 1024, 4096 and 16384 tokens (``--quick``: 256 and 1024 tokens of SmolLM2, 256 of
+Llama-3-8B). Per shape and size, each the best of ``--reps`` after a warm-up, with
+GB/s = 10^9 bytes of K and V payload per second::
 
-    tcp      a Python socket sending the payload from a preallocated buffer, received with
-             recv_into a preallocated buffer on another thread: the loopback ceiling
-    memcpy   torch copy of the payload between two preallocated, touched buffers
-    grpc     CacheClient.lookup + CacheClient.fetch(into=PagedKV) with shm=off, bulk=off:
-             gRPC Get streams, verification (checksums, key, fingerprint, tokens),
-             placement into a vLLM-layout paged cache (16-slot pages, shuffled block table)
-    bulk     the same with bulk=auto (the default): Get payloads over the bulk byte
-             stream, received with recv_into into pooled buffers (client/bulk.py)
-    shm      the same with shm=on: blocks land in the client's shared-memory segment
-    put      CacheClient.store of fresh blocks (Lookup, encode, Put), shm=off, bulk=auto
-             (the default): blocks sent over the bulk byte stream
-    putgrpc  the same with bulk=off: gRPC Put streams (the fallback)
+    tcp       a Python socket sending the payload from a preallocated buffer, received
+              with recv_into a preallocated buffer on another thread: the network ceiling
+    memcpy    torch copy of the payload between two preallocated, touched buffers: the
+              same-host ceiling
+    net       CacheClient.lookup + CacheClient.fetch(into=PagedKV) with shm=off, bulk=auto
+              (the default across hosts): Get payloads over the bulk byte stream,
+              verification (checksums, key, fingerprint, tokens), placement into a
+              vLLM-layout paged cache (16-slot pages, shuffled block table)
+    samehost  the same with shm=on (the default for a server on this host): blocks land in
+              the client's shared-memory segment and are placed from there
+    grpc      the same with shm=off, bulk=off: gRPC Get streams (the TLS path)
+    put       CacheClient.store of fresh blocks (Lookup, encode, Put), shm=off, bulk=auto
+              (the default): blocks sent over the bulk byte stream
+    putgrpc   the same with bulk=off: gRPC Put streams (the fallback)
+
+Break-even: a GPU that prefills Llama-3-8B at R tokens/s makes 131072 * R bytes of KV a
+second (128 KiB per token), so a path that fetches B bytes/s pays only below
+R = B / 131072: ``breakeven_tok_s`` of the Llama-3-8B cases (an H100 prefills it at
+roughly 10-20k tokens/s).
 
 Cold start: a child process builds a CacheClient (which warms its channel, shared-memory
 session, buffers and kernels at construction) and times its first lookup + fetch of
 SmolLM2 1024 tokens against the best of the next five: ``cold_vs_warm``.
 
-RESULT keys: ``tcp_gbps``, ``fetch_gbps`` (the bulk stream: the default network path),
-``shm_gbps``, ``put_gbps`` (the bulk stream), ``put_grpc_gbps`` and ``grpc_gbps`` (the gRPC
-fallbacks) are geometric means over the six cases; ``fetch_vs_tcp``, ``put_vs_tcp``,
-``grpc_vs_tcp`` and ``shm_vs_memcpy`` geometric means of the per-case ratios;
-``fetch_4096_vs_1024`` the worse shape's bulk GB/s at 4096 tokens over 1024. Targets:
-fetch_vs_tcp >= 0.6, put_vs_tcp >= 0.5, fetch_4096_vs_1024 >= 0.9, shm_vs_memcpy >= 0.5,
+RESULT keys: ``tcp_gbps``, ``fetch_gbps`` (net: the default network path),
+``samehost_gbps``, ``put_gbps`` (the bulk stream), ``put_grpc_gbps`` and ``grpc_gbps``
+(the gRPC fallbacks) are geometric means over the cases; ``fetch_vs_tcp``, ``put_vs_tcp``,
+``grpc_vs_tcp`` and ``samehost_vs_memcpy`` geometric means of the per-case ratios;
+``fetch_scaling`` the worse shape's net GB/s at the largest size over the next smaller;
+``breakeven_samehost_tok_s`` and ``breakeven_net_tok_s`` geometric means over the
+Llama-3-8B cases. Targets: samehost_vs_memcpy >= 0.7, fetch_vs_tcp >= 0.8,
+put_vs_tcp >= 0.6, breakeven_samehost_tok_s >= 40000, fetch_scaling >= 0.9,
 cold_vs_warm <= 2.0.
 """
 
@@ -56,7 +66,7 @@ from pathlib import Path
 import torch
 from _harness import best_of, cache_server, paged_target
 
-from nopecache.client import CacheClient, ClientConfig, ModelFingerprint
+from nopecache.client import CacheClient, ClientConfig, ModelFingerprint, PagedKV
 from nopecache.client.cost import CostConfig
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
@@ -67,22 +77,27 @@ RESULT_KEYS = (
     "tcp_gbps",
     "fetch_gbps",
     "fetch_vs_tcp",
-    "fetch_4096_vs_1024",
-    "shm_gbps",
-    "shm_vs_memcpy",
+    "fetch_scaling",
+    "samehost_gbps",
+    "samehost_vs_memcpy",
     "cold_vs_warm",
     "put_gbps",
     "put_vs_tcp",
     "put_grpc_gbps",
     "grpc_gbps",
     "grpc_vs_tcp",
+    "breakeven_samehost_tok_s",
+    "breakeven_net_tok_s",
 )
 
 DTYPE = torch.bfloat16
 PREFIX_BLOCK = 256
 SHAPES = {"smollm2": (30, 3, 64), "llama3-8b": (32, 8, 128)}
-SIZES = (256, 1024, 4096)
+SIZES = (1024, 4096, 16384)
+QUICK_SIZES = {"smollm2": (256, 1024), "llama3-8b": (256,)}
 COLD_SHAPE, COLD_TOKENS = "smollm2", 1024
+BREAKEVEN_SHAPE = "llama3-8b"
+LLAMA_BYTES_PER_TOKEN = 131072  # 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +129,15 @@ class Model:
         )
 
     def client(self, address: str, path: str, namespace: str) -> CacheClient:
-        """A client of this shape whose Gets take ``path`` ("grpc", "bulk", "shm" or
-        "auto": the defaults); the cost model is off (every hit is fetched)."""
+        """A client of this shape whose Gets take ``path`` ("grpc", "net": the bulk
+        stream, "samehost": shared memory, or "auto": the defaults); the cost model is
+        off (every hit is fetched)."""
         config = ClientConfig(
             servers=(address,),
             get_timeout_s=120.0,
             put_timeout_s=120.0,
             cost=CostConfig(enabled=False),
-            shm={"shm": "on", "auto": "auto"}.get(path, "off"),  # type: ignore[arg-type]
+            shm={"samehost": "on", "auto": "auto"}.get(path, "off"),  # type: ignore[arg-type]
             bulk="off" if path == "grpc" else "auto",
             namespace=namespace,
         )
@@ -134,19 +150,30 @@ class Model:
         )
 
     def kv(self, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prompt token ids and random K, V ``[layers, tokens, heads, dim]``."""
+        """Prompt token ids and random K, V ``[layers, tokens, heads, dim]``: random bf16
+        bit patterns of finite values, made without a float32 intermediate (16k tokens of
+        Llama-3-8B are 1 GiB each)."""
         g = torch.Generator().manual_seed(seed)
         shape = (self.layers, tokens, self.heads, self.dim)
-        k = torch.randn(shape, generator=g).to(DTYPE)
-        v = torch.randn(shape, generator=g).to(DTYPE)
+        k, v = (
+            torch.randint(0, 0x3F00, shape, generator=g, dtype=torch.int16).view(DTYPE)
+            for _ in range(2)
+        )
         return torch.randint(0, 50000, (tokens,), generator=g), k, v
 
 
+# The baselines move the payload's bytes through buffers of at most this size, reused in
+# turn (16k tokens of Llama-3-8B are 2 GiB: two whole-size buffers per baseline beside
+# the KV and the paged cache do not fit a shared machine). Both ends stay far larger
+# than any CPU cache, so the rate is the same as with whole-size buffers.
+BASELINE_CHUNK = 256 * 1024 * 1024
+
+
 def tcp_seconds(nbytes: int, reps: int) -> float:
-    """Best time to move ``nbytes`` over a loopback TCP socket into a preallocated buffer."""
-    src = bytearray(b"\x01" * nbytes)
-    dst = bytearray(nbytes)
-    view = memoryview(dst)
+    """Best time to move ``nbytes`` over a loopback TCP socket into preallocated memory."""
+    chunk = min(nbytes, BASELINE_CHUNK)
+    src = memoryview(bytearray(b"\x01") * chunk)
+    view = memoryview(bytearray(chunk))
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         sender = socket.create_connection(("127.0.0.1", port))
@@ -156,7 +183,8 @@ def tcp_seconds(nbytes: int, reps: int) -> float:
     def send() -> None:
         for _ in range(reps + 1):
             go.acquire()
-            sender.sendall(src)
+            for start in range(0, nbytes, chunk):
+                sender.sendall(src[: min(chunk, nbytes - start)])
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
@@ -165,7 +193,9 @@ def tcp_seconds(nbytes: int, reps: int) -> float:
         go.release()
         got = 0
         while got < nbytes:
-            got += receiver.recv_into(view[got:], min(nbytes - got, 4 * 1024 * 1024))
+            at = got % chunk
+            want = min(nbytes - got, chunk - at, 4 * 1024 * 1024)
+            got += receiver.recv_into(view[at : at + want], want)
 
     try:
         return best_of(reps, receive)
@@ -176,17 +206,33 @@ def tcp_seconds(nbytes: int, reps: int) -> float:
 
 
 def memcpy_seconds(nbytes: int, reps: int) -> float:
-    """Best time of one torch copy of ``nbytes`` between touched buffers."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    return best_of(reps, lambda: dst.copy_(src))
+    """Best time to copy ``nbytes`` between touched buffers (torch copies of up to
+    BASELINE_CHUNK)."""
+    chunk = min(nbytes, BASELINE_CHUNK)
+    src = torch.ones(chunk, dtype=torch.uint8)
+    dst = torch.zeros(chunk, dtype=torch.uint8)
+
+    def copy() -> None:
+        for start in range(0, nbytes, chunk):
+            n = min(chunk, nbytes - start)
+            dst[:n].copy_(src[:n])
+
+    return best_of(reps, copy)
 
 
-def fetch_seconds(model: Model, address: str, path: str, tokens: int, reps: int) -> float:
-    """Best lookup + fetch into a paged cache of ``tokens`` stored tokens (checked exact)."""
-    prompt, k, v = model.kv(tokens, seed=tokens)
-    into = paged_target(tokens, model.layers, model.heads, model.dim, DTYPE)
-    with model.client(address, path, f"fetch-{tokens}") as client:
+KV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def fetch_seconds(model: Model, address: str, path: str, kv: KV, into: PagedKV, reps: int) -> float:
+    """Best lookup + fetch into the paged cache ``into`` of the stored ``kv`` (checked
+    exact)."""
+    prompt, k, v = kv
+    tokens = prompt.numel()
+    for caches in (into.k_caches, into.v_caches):
+        assert caches is not None
+        for cache in caches:
+            cache.zero_()
+    with model.client(address, path, f"fetch-{model.name}-{tokens}") as client:
         report = client.store(prompt, (k, v), form="rope", position_independent=False)
         assert report.failed == 0, report
         failed: list[int] = []
@@ -197,7 +243,7 @@ def fetch_seconds(model: Model, address: str, path: str, tokens: int, reps: int)
             failed.append(len(client.fetch(plan, prompt, into=into).failed))
 
         seconds = best_of(reps, fetch)
-        if path == "shm":
+        if path == "samehost":
             assert client.core.shm is not None and client.core.shm.stats().grpc_blocks == 0
     assert failed == [0] * len(failed), "blocks failed to fetch"
     for caches, want in ((into.k_caches, k), (into.v_caches, v)):
@@ -207,10 +253,11 @@ def fetch_seconds(model: Model, address: str, path: str, tokens: int, reps: int)
     return seconds
 
 
-def put_seconds(model: Model, address: str, path: str, tokens: int, reps: int) -> float:
-    """Best store of ``tokens`` tokens of fresh blocks over ``path`` ("bulk" or "grpc"; a
-    new namespace per run)."""
-    prompt, k, v = model.kv(tokens, seed=tokens + 1)
+def put_seconds(model: Model, address: str, path: str, kv: KV, reps: int) -> float:
+    """Best store of ``kv`` as fresh blocks over ``path`` ("net" or "grpc"; a new
+    namespace per run)."""
+    prompt, k, v = kv
+    tokens = prompt.numel()
     runs = iter(range(reps + 1))
     with model.client(address, path, "put") as client:
 
@@ -219,7 +266,7 @@ def put_seconds(model: Model, address: str, path: str, tokens: int, reps: int) -
                 prompt,
                 (k, v),
                 form="rope",
-                namespace=f"put-{path}-{tokens}-{next(runs)}",
+                namespace=f"put-{path}-{model.name}-{tokens}-{next(runs)}",
                 position_independent=False,
             )
             assert report.failed == 0 and report.stored == tokens // PREFIX_BLOCK, report
@@ -246,16 +293,19 @@ def cold_child(address: str) -> None:
 
 
 def measure(model: Model, addr: str, tokens: int, reps: int) -> dict[str, float]:
-    """GB/s of every path for one case (and its payload MiB)."""
+    """GB/s of every path for one case (and its payload MiB), paths interleaved per case
+    so that each ratio compares runs made within seconds of each other."""
+    kv = model.kv(tokens, seed=tokens)
     nbytes = model.layers * model.heads * model.dim * 2 * 2 * tokens
+    into = paged_target(tokens, model.layers, model.heads, model.dim, DTYPE)
     seconds: dict[str, Callable[[], float]] = {
         "tcp": lambda: tcp_seconds(nbytes, reps),
         "memcpy": lambda: memcpy_seconds(nbytes, reps),
-        "grpc": lambda: fetch_seconds(model, addr, "grpc", tokens, reps),
-        "bulk": lambda: fetch_seconds(model, addr, "bulk", tokens, reps),
-        "shm": lambda: fetch_seconds(model, addr, "shm", tokens, reps),
-        "put": lambda: put_seconds(model, addr, "bulk", tokens, reps),
-        "putgrpc": lambda: put_seconds(model, addr, "grpc", tokens, reps),
+        "net": lambda: fetch_seconds(model, addr, "net", kv, into, reps),
+        "samehost": lambda: fetch_seconds(model, addr, "samehost", kv, into, reps),
+        "grpc": lambda: fetch_seconds(model, addr, "grpc", kv, into, reps),
+        "put": lambda: put_seconds(model, addr, "net", kv, reps),
+        "putgrpc": lambda: put_seconds(model, addr, "grpc", kv, reps),
     }
     row = {name: nbytes / run() / 1e9 for name, run in seconds.items()}
     row["mib"] = nbytes / 2**20
@@ -267,12 +317,17 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in values) / len(values))
 
 
+def breakeven(gbps: float) -> float:
+    """The Llama-3-8B prefill rate (tokens/s) a fetch at ``gbps`` breaks even with."""
+    return gbps * 1e9 / LLAMA_BYTES_PER_TOKEN
+
+
 def main() -> None:
     """Run every case and print the RESULT line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: the smollm2 shape only, one pass"
+        "--quick", action="store_true", help="a smoke run: small cases of both shapes, one pass"
     )
     parser.add_argument("--cold-child", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -280,30 +335,38 @@ def main() -> None:
         cold_child(args.cold_child)
         return
     models = [Model(name, *shape) for name, shape in SHAPES.items()]
+    sizes: dict[str, tuple[int, ...]] = {m.name: SIZES for m in models}
     if args.quick:
         args.reps = 1
-        models = [m for m in models if m.name == COLD_SHAPE]
-    total = sum(m.layers * m.heads * m.dim * 2 * 2 * n for m in models for n in SIZES)
-    # Room for every case's fetch blocks; the put runs' fresh blocks push out older ones.
-    capacity = f"{math.ceil(total * 1.5 / 2**20)}MiB"
+        sizes = dict(QUICK_SIZES)
+    cases = [(m, n) for m in models for n in sizes[m.name]]
+    largest = max(m.layers * m.heads * m.dim * 2 * 2 * n for m, n in cases)
+    # Room for one case's blocks and headers: each case stores its blocks before its
+    # fetches (the put runs' fresh blocks then push them out); no more, since a 16k-token
+    # Llama-3-8B case is 2 GiB and the pool's pages stay resident once written.
+    capacity = f"{math.ceil(largest * 1.5 / 2**20)}MiB"
     print(f"torch threads {torch.get_num_threads()}; server capacity {capacity}")
     print(
-        f"{'case':>16} {'MiB':>6} {'tcp':>6} {'memcpy':>7} {'grpc':>6} {'bulk':>6} {'shm':>6} "
-        f"{'put':>6} {'putgrpc':>7}   GB/s"
+        f"{'case':>16} {'MiB':>6} {'tcp':>6} {'net':>6} {'memcpy':>7} {'samehost':>8} "
+        f"{'grpc':>6} {'put':>6} {'putgrpc':>7}   GB/s   {'be_net':>7} {'be_same':>7} tok/s"
     )
     rows: dict[tuple[str, int], dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp, cache_server(capacity, Path(tmp) / "s.log") as addr:
-        for model in models:
-            for tokens in SIZES:
-                row = measure(model, addr, tokens, args.reps)
-                rows[model.name, tokens] = row
-                print(
-                    f"{model.name + ' ' + str(tokens):>16} {row['mib']:6.1f} "
-                    f"{row['tcp']:6.2f} {row['memcpy']:7.2f} {row['grpc']:6.2f} "
-                    f"{row['bulk']:6.2f} {row['shm']:6.2f} {row['put']:6.2f} "
-                    f"{row['putgrpc']:7.2f}",
-                    flush=True,
-                )
+        for model, tokens in cases:
+            row = measure(model, addr, tokens, args.reps)
+            rows[model.name, tokens] = row
+            be = (
+                f"{breakeven(row['net']):7.0f} {breakeven(row['samehost']):7.0f}"
+                if model.name == BREAKEVEN_SHAPE
+                else f"{'-':>7} {'-':>7}"
+            )
+            print(
+                f"{model.name + ' ' + str(tokens):>16} {row['mib']:6.1f} "
+                f"{row['tcp']:6.2f} {row['net']:6.2f} {row['memcpy']:7.2f} "
+                f"{row['samehost']:8.2f} {row['grpc']:6.2f} {row['put']:6.2f} "
+                f"{row['putgrpc']:7.2f}          {be}",
+                flush=True,
+            )
         # The child's blocks, stored just before it starts (earlier puts may have pushed
         # the fetch cases' blocks out of the tier).
         cold_model = Model(COLD_SHAPE, *SHAPES[COLD_SHAPE])
@@ -321,23 +384,28 @@ def main() -> None:
         f"cold start ({COLD_SHAPE} {COLD_TOKENS} tokens, new process): first lookup + fetch "
         f"{cold['cold'] * 1e3:.1f} ms, warm {cold['warm'] * 1e3:.1f} ms"
     )
-    cases = list(rows.values())
-    tcp = geomean([r["tcp"] for r in cases])
-    fetch = geomean([r["bulk"] for r in cases])
-    grpc_only = geomean([r["grpc"] for r in cases])
-    shm = geomean([r["shm"] for r in cases])
-    put = geomean([r["put"] for r in cases])
-    put_grpc = geomean([r["putgrpc"] for r in cases])
-    fetch_vs_tcp = geomean([r["bulk"] / r["tcp"] for r in cases])
-    grpc_vs_tcp = geomean([r["grpc"] / r["tcp"] for r in cases])
-    put_vs_tcp = geomean([r["put"] / r["tcp"] for r in cases])
-    shm_vs_memcpy = geomean([r["shm"] / r["memcpy"] for r in cases])
-    scaling = min(rows[m.name, 4096]["bulk"] / rows[m.name, 1024]["bulk"] for m in models)
+    all_rows = list(rows.values())
+    llama = [r for (name, _), r in rows.items() if name == BREAKEVEN_SHAPE]
+    mean = {key: geomean([r[key] for r in all_rows]) for key in all_rows[0]}
+    fetch_vs_tcp = geomean([r["net"] / r["tcp"] for r in all_rows])
+    grpc_vs_tcp = geomean([r["grpc"] / r["tcp"] for r in all_rows])
+    put_vs_tcp = geomean([r["put"] / r["tcp"] for r in all_rows])
+    samehost_vs_memcpy = geomean([r["samehost"] / r["memcpy"] for r in all_rows])
+    scaling = min(
+        rows[m.name, sizes[m.name][-1]]["net"] / rows[m.name, sizes[m.name][-2]]["net"]
+        for m in models
+        if len(sizes[m.name]) > 1
+    )
+    be_same = geomean([breakeven(r["samehost"]) for r in llama])
+    be_net = geomean([breakeven(r["net"]) for r in llama])
     print(
-        f"RESULT tcp_gbps={tcp:.3f} fetch_gbps={fetch:.3f} fetch_vs_tcp={fetch_vs_tcp:.3f} "
-        f"fetch_4096_vs_1024={scaling:.3f} shm_gbps={shm:.3f} shm_vs_memcpy={shm_vs_memcpy:.3f} "
-        f"cold_vs_warm={cold_vs_warm:.3f} put_gbps={put:.3f} put_vs_tcp={put_vs_tcp:.3f} "
-        f"put_grpc_gbps={put_grpc:.3f} grpc_gbps={grpc_only:.3f} grpc_vs_tcp={grpc_vs_tcp:.3f}"
+        f"RESULT tcp_gbps={mean['tcp']:.3f} fetch_gbps={mean['net']:.3f} "
+        f"fetch_vs_tcp={fetch_vs_tcp:.3f} fetch_scaling={scaling:.3f} "
+        f"samehost_gbps={mean['samehost']:.3f} samehost_vs_memcpy={samehost_vs_memcpy:.3f} "
+        f"cold_vs_warm={cold_vs_warm:.3f} put_gbps={mean['put']:.3f} put_vs_tcp={put_vs_tcp:.3f} "
+        f"put_grpc_gbps={mean['putgrpc']:.3f} grpc_gbps={mean['grpc']:.3f} "
+        f"grpc_vs_tcp={grpc_vs_tcp:.3f} breakeven_samehost_tok_s={be_same:.0f} "
+        f"breakeven_net_tok_s={be_net:.0f}"
     )
 
 

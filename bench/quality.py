@@ -138,12 +138,11 @@ CONFIGS: tuple[Config, ...] = (
     Config(rc.taper(BUDGET), sink="dialog"),
     DEVIATION,
     Config(rc.blend(BUDGET, 0.5), sink="dialog"),
-    Config(question(BUDGET, 0.0), sink="dialog"),
     Config(question(BUDGET, 0.5), sink="dialog"),
-    Config(question(BUDGET, 0.5, score="attention_v"), sink="dialog"),
-    Config(question(BUDGET, 0.5, heads="max"), sink="dialog"),
     Config(question(BUDGET, 0.5, check_layer=0), sink="dialog"),
-    Config(question(BUDGET, 0.75), sink="dialog"),
+    Config(question(BUDGET, 0.0, prescan=True), sink="dialog"),
+    Config(question(BUDGET, 0.5, prescan=True), sink="dialog"),
+    Config(question(BUDGET, 0.5, prescan=True, heads="max"), sink="dialog"),
 )
 
 
@@ -288,8 +287,9 @@ def evaluate(
 ) -> tuple[list[Case], list[Row]]:
     """Build every case of ``prompts`` and measure every configuration on them."""
     cases = []
+    wanted = tuple(dict.fromkeys(c.sink for c in configs))
     for p in prompts:
-        cases.append(build_case(engine, tokenizer, client, p, stop))
+        cases.append(build_case(engine, tokenizer, client, p, stop, wanted))
         c = cases[-1]
         progress(
             f"{p.half:6s} {p.name:22s} {len(c.tokens):4d} tokens, chunks "

@@ -42,5 +42,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The tests that run a real vLLM need vLLM, which lives in its own environment
 # (.venv-vllm); `make test` runs them there (`make test-vllm`).
+collect_ignore: list[str] = []
 if importlib.util.find_spec("vllm") is None:
-    collect_ignore = ["integrations/vllm/engine"]
+    collect_ignore.append("integrations/vllm/engine")
+# SGLang's classes live in .venv-sglang; `make test` runs them there (`make test-sglang`).
+if importlib.util.find_spec("sglang") is None:
+    collect_ignore.append("integrations/sglang")

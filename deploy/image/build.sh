@@ -116,8 +116,10 @@ if ! pull "$base"; then
     echo "build.sh: cannot pull the base image $base" >&2
     exit 1
   fi
-  echo "build.sh: cannot pull $base (no container registry reachable): making $LOCAL_BASE"
-  if ! buildah "${storage[@]}" inspect "$LOCAL_BASE" >/dev/null 2>&1; then
+  if buildah "${storage[@]}" inspect "$LOCAL_BASE" >/dev/null 2>&1; then
+    echo "build.sh: cannot pull $base (no container registry reachable): using $LOCAL_BASE"
+  else
+    echo "build.sh: cannot pull $base (no container registry reachable): making $LOCAL_BASE"
     BUILDAH_STORAGE_DRIVER=${BUILDAH_STORAGE_DRIVER:-vfs} deploy/image/base.sh "$LOCAL_BASE"
   fi
   base=$LOCAL_BASE

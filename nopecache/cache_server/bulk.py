@@ -44,6 +44,8 @@ import socket
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from nopecache.cache_server.bulk_limits import BufferPool, BulkAdmission, send_progressing
 from nopecache.cache_server.codes import put_reply
 from nopecache.cache_server.config import ServerConfig
@@ -223,9 +225,10 @@ class BulkServer:
                 else:
                     # The keys come within the idle timeout, like every byte of a request.
                     packed = await self._recv(loop, conn, lease, count * KEY_BYTES)
-                    # A send buffer for this GET only: each block is copied into it by the
-                    # tier (get_into, no blob allocated per block) and sent before the
-                    # next is read; it goes back to the pool when the GET is sent.
+                    # A send buffer for this GET only: a block the host tier cannot lend
+                    # (GetRules.into) is copied into it (get_into, no blob allocated per
+                    # block) and sent before the next is read; it goes back to the pool
+                    # when the GET is sent.
                     buffer = self.buffers.borrow()
                     try:
                         await self._get(loop, conn, tenant, packed, buffer, lease)
@@ -253,15 +256,24 @@ class BulkServer:
         """Receive one PUT's ``count`` blocks, each checked as it completes, then store
         them (nothing is stored before the last block is in)."""
         intake = self._puts.intake(tenant, lease, BULK_WORDING)
-        with self._metrics.latency["Put"].time():
-            for _ in range(count):
-                size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
-                await intake.open_block(key, size)
-                blob = bytearray(size)
-                # An open block: its room may be reclaimed while the sender stalls.
-                await self._recv_into(loop, conn, lease, memoryview(blob), reclaimable=True)
-                await intake.complete(key, memoryview(blob))
-            return put_reply(await intake.finish())
+        # Each block is verified (a checksum pass, off the loop) while the next one is
+        # received; its buffer is uninitialised memory (np.empty: no zero-fill pass, the
+        # socket writes every byte).
+        checks: list[asyncio.Task[None]] = []
+        try:
+            with self._metrics.latency["Put"].time():
+                for _ in range(count):
+                    size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
+                    position = await intake.open_block(key, size)
+                    blob = np.empty(size, dtype=np.uint8).data
+                    # An open block: its room may be reclaimed while the sender stalls.
+                    await self._recv_into(loop, conn, lease, blob, reclaimable=True)
+                    checks.append(loop.create_task(intake.complete(key, blob, position)))
+                await asyncio.gather(*checks)
+                return put_reply(await intake.finish())
+        finally:
+            for check in checks:
+                check.cancel()
 
     async def _get(
         self,
@@ -280,8 +292,8 @@ class BulkServer:
             async with contextlib.aclosing(entries):
                 async for code, size in entries:
                     await self._send(loop, conn, lease, ENTRY.pack(code, size))
-                    if size:
-                        await self._send(loop, conn, lease, memoryview(buffer.data)[:size])
+                    for part in buffer.parts:
+                        await self._send(loop, conn, lease, part)
 
     @staticmethod
     async def _recv(

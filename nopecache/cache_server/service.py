@@ -313,7 +313,13 @@ class KVCacheService:
                 await self._abort(context, "Get", r)
             limit = self._config.max_frame_data_bytes
             names: Sequence[bytes] = self._encoded_names
-            entries = self.gets.windows(tenant, keys, lease)
+            # Into a shared-memory window, host-tier blocks are copied from their pages
+            # (lent); otherwise read a window at a time.
+            entries = (
+                self.gets.lent(tenant, keys, lease)
+                if target.active
+                else self.gets.windows(tenant, keys, lease)
+            )
             # aclosing: a stream cut while a window is held drops its blocks at once.
             with target:  # the shared-memory window (if any) is written only inside
                 async with contextlib.aclosing(entries):
@@ -322,12 +328,17 @@ class KVCacheService:
                             yield encode_get_frame(index, 0, 0, b"", names)
                             names = ()
                             continue
-                        size = len(blob)
                         at = target.place(blob)
                         if at is not None:
+                            size = (
+                                sum(p.nbytes for p in blob) if isinstance(blob, list) else len(blob)
+                            )
                             yield encode_get_frame(index, code, size, b"", names, (at, size))
                             names = ()
                             continue
+                        if isinstance(blob, list):  # lent pages that did not fit the window
+                            blob = b"".join(blob)
+                        size = len(blob)
                         view = memoryview(blob)
                         yield encode_get_frame(index, code, size, view[:limit], names)
                         names = ()

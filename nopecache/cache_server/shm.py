@@ -25,8 +25,9 @@ Session table (bounded; all on the server's event loop, so no locks):
   the same answer as for an unknown id.
 
 Get windows (:class:`ShmTarget`). A Get names a window of the segment; every hit that fits
-the rest of it is copied in (one memcpy from the tier's bytes, 64-byte aligned so that
-tensors viewing it are aligned) before its frame is sent. Two Gets whose windows overlap
+the rest of it is copied in (one gathering pwritev straight from the host tier's pages,
+lent for the write by ``GetRules.lent``; 64-byte aligned so that tensors viewing it are
+aligned) before its frame is sent. Two Gets whose windows overlap
 are never both writing: a Get whose window overlaps one in flight on the same session
 (the client reused a window while a call it cancelled is still unwinding here) writes
 nothing and sends data frames instead; a cancelled call stops writing. The client reads
@@ -87,6 +88,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+# Buffers per pwritev call (POSIX guarantees at least 16; Linux takes 1024).
+_IOV_MAX = 64
 # The segment layout is the wire contract's (proto/shm_layout.py), shared with the client.
 _NAME_RE = NAME_RE
 _NONCE_AT = NONCE_AT
@@ -141,13 +144,18 @@ class _Session:
         self.active: list[tuple[int, int]] = []  # [start, end) of Gets in flight
         self.closing = False
 
-    def write(self, data: bytes | memoryview, offset: int) -> bool:
-        """Copy ``data`` to ``offset`` of the segment; False if the kernel refused."""
-        view = memoryview(data)
+    def write(self, parts: list[memoryview], offset: int) -> bool:
+        """Copy ``parts``, in order, to ``offset`` of the segment (one gathering write
+        when the kernel takes it whole); False if the kernel refused."""
+        parts = [p for p in parts if p.nbytes]
         try:
-            while view.nbytes:
-                done = os.pwrite(self.fd, view, offset)
-                view, offset = view[done:], offset + done
+            while parts:
+                done = os.pwritev(self.fd, parts[:_IOV_MAX], offset)
+                offset += done
+                while parts and done >= parts[0].nbytes:
+                    done -= parts.pop(0).nbytes
+                if done:
+                    parts[0] = parts[0][done:]
         except OSError as e:
             log.debug("shm segment %s: write refused (%s): data frames", self.name, e.strerror)
             return False
@@ -179,18 +187,24 @@ class ShmTarget:
         self._cancelled = cancelled
         self.placed = 0  # bytes copied into the window
 
-    def place(self, blob: bytes | memoryview) -> int | None:
-        """Copy ``blob`` into the rest of the window: its segment offset, or None when it
-        does not fit (or the call is cancelled): send it as data frames then."""
+    @property
+    def active(self) -> bool:
+        """Whether this Get writes into a window (else every block goes as data frames)."""
+        return self._session is not None
+
+    def place(self, blob: bytes | memoryview | list[memoryview]) -> int | None:
+        """Copy ``blob`` (or its parts, in order: a tier's page runs) into the rest of the
+        window: its segment offset, or None when it does not fit (or the call is
+        cancelled): send it as data frames then."""
         session = self._session
         if session is None:
             return None
-        n = len(blob) if isinstance(blob, bytes) else blob.nbytes
+        parts = blob if isinstance(blob, list) else [memoryview(blob).cast("B")]
+        n = sum(p.nbytes for p in parts)
         start = _align(self._cursor)
         if start + n > self._end or self._cancelled():
             return None
-        src = blob if isinstance(blob, bytes) else blob.cast("B")
-        if not session.write(src, start):
+        if not session.write(parts, start):
             return None
         self._cursor = start + n
         self.placed += n

@@ -51,6 +51,7 @@ from typing import Protocol
 
 from nopecache.cache_server.tiers import Tier, TierConfigError, TierName, TierStats, tier_from_url
 from nopecache.cache_server.tiers.base import BlobLike, Evicted, KeepSet, PutStatus, check_key
+from nopecache.cache_server.tiers.cpu import PagedTier, TierLease
 
 __all__ = [
     "NULL_OBSERVER",
@@ -278,6 +279,21 @@ class TieredStore:
         if len(blob) <= out.nbytes:
             out[: len(blob)] = blob
         return len(blob), tier
+
+    def lease(self, key: bytes) -> tuple[TierLease, TierName] | None:
+        """A read lease of ``key``'s bytes where the fastest tier holds them in host memory
+        (``PagedTier.lease``: views valid until released, counted as a hit), else None
+        (a miss there, another kind of tier, an untrusted one, leases at their share):
+        the caller uses ``get_into`` then."""
+        check_key(key)
+        top = self._tiers[0]
+        if not isinstance(top, PagedTier) or not (top.trusted or self._verify is None):
+            return None
+        lease = top.lease(key)
+        if lease is None:
+            return None
+        self._observer.on_hit(top.name)
+        return lease, top.name
 
     async def _checked(
         self, tier: Tier, keys: Sequence[bytes], blobs: Sequence[bytes | None]

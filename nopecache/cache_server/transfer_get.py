@@ -10,9 +10,11 @@ caller's lease of the in-flight budget (``inflight.py``), two ways:
   ``GET_WINDOW_KEYS`` keys (one Redis round trip for many small blocks), fewer once blocks
   turn out large, so that a stream holds about ``GET_WINDOW_BYTES`` at a time; the window
   is reserved in the lease while its blocks are sent.
-* :meth:`GetRules.into` (the bulk byte stream): ``TieredStore.get_into`` copies each block
-  into the connection's one send buffer (no blob allocated per block), reserved while it
-  is sent; the buffer grows to the largest block seen.
+* :meth:`GetRules.into` (the bulk byte stream): a block of the host-memory tier is lent
+  (``TieredStore.lease``: views of its pages, which are not reused until it is sent);
+  any other is copied by ``TieredStore.get_into`` into the connection's one send buffer
+  (no blob allocated per block), which grows to the largest block seen. Each block is
+  reserved in the lease while it is sent.
 
 The codecs (``service.py``, ``bulk.py``) turn each entry into their frames; bytes sent
 are counted here once the last entry is taken.
@@ -44,12 +46,15 @@ _KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
 
 class SendBuffer:
-    """The one buffer a bulk connection's blocks are copied into before each is sent."""
+    """Where a bulk connection's current block is: ``parts``, views of its bytes in order
+    (the tier's own pages under a read lease, or ``data``, the one buffer a block is
+    copied into when the tier cannot lend its pages)."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "parts")
 
     def __init__(self) -> None:
         self.data = bytearray()
+        self.parts: list[memoryview] = []
 
 
 class GetRules:
@@ -121,14 +126,65 @@ class GetRules:
                 window = max(1, min(self._most, GET_WINDOW_BYTES * hits // sent))
         self._count(tenant, sent, hits, len(keys) - hits)
 
+    async def lent(
+        self, tenant: Tenant, keys: Sequence[bytes], lease: Lease
+    ) -> AsyncGenerator[tuple[int, int, list[memoryview] | bytes | None], None]:
+        """``windows`` one key at a time, a block of the host-memory tier lent rather
+        than read: (index, tier code, the views of its pages) valid until the next entry
+        is asked for (``TieredStore.lease``; the shared-memory Get copies them straight
+        into the client's segment). Raises Refusal."""
+        sent = hits = 0
+        for index, key in enumerate(keys):
+            lent = self._store.lease(key)
+            if lent is None:
+                found = (await self._store.get_many([key]))[0]
+                if found is None:
+                    yield index, 0, None
+                    continue
+                blob, tier = found
+                await lease.reserve(len(blob), "GetFrame")
+                sent += len(blob)
+                hits += 1
+                yield index, self._codes[tier], blob
+                lease.release()
+                continue
+            tier_lease, tier = lent
+            try:
+                await lease.reserve(tier_lease.size, "GetFrame")
+                sent += tier_lease.size
+                hits += 1
+                yield index, self._codes[tier], tier_lease.views
+            finally:
+                tier_lease.release()
+                lease.release()
+        self._count(tenant, sent, hits, len(keys) - hits)
+
     async def into(
         self, tenant: Tenant, keys: Sequence[bytes], lease: Lease, buffer: SendBuffer
     ) -> AsyncGenerator[tuple[int, int], None]:
-        """(tier code, size) per key, its bytes in ``buffer.data[:size]`` (0, 0 for a
-        miss) until the next entry is asked for; each block reserved in ``lease`` while
-        it is taken. Raises Refusal."""
+        """(tier code, size) per key, its bytes in ``buffer.parts`` (0, 0 for a miss)
+        until the next entry is asked for; each block reserved in ``lease`` while it is
+        taken. Raises Refusal.
+
+        A block of the host-memory tier is lent, not copied: ``parts`` are views of its
+        pages under a tier read lease (no page of it is reused until the next entry is
+        asked for), so its bytes go from the pool to the socket with no copy here."""
         sent = hits = 0
         for key in keys:
+            lent = self._store.lease(key)
+            if lent is not None:
+                tier_lease, tier = lent
+                try:
+                    await lease.reserve(tier_lease.size, "bulk GET")
+                    buffer.parts = tier_lease.views
+                    yield self._codes[tier], tier_lease.size
+                finally:
+                    buffer.parts = []
+                    tier_lease.release()
+                    lease.release()
+                sent += tier_lease.size
+                hits += 1
+                continue
             found = await self._store.get_into(key, memoryview(buffer.data))
             if found is not None and found[0] > len(buffer.data):
                 # Grown to the largest block seen (within the budget), then reused for
@@ -142,7 +198,9 @@ class GetRules:
                 continue
             size, tier = found
             await lease.reserve(size - lease.held_bytes, "bulk GET")
+            buffer.parts = [memoryview(buffer.data)[:size]]
             yield self._codes[tier], size
+            buffer.parts = []
             lease.release()
             sent += size
             hits += 1

@@ -29,6 +29,7 @@ Concurrency: one event loop; an intake belongs to one request.
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -288,13 +289,17 @@ class PutIntake:
             )
 
     # -- whole blocks ------------------------------------------------------------------
-    async def complete(self, key: bytes, blob: memoryview) -> None:
-        """Verify the last opened block, now complete: stage it, or refuse it (its result)."""
+    async def complete(self, key: bytes, blob: memoryview, position: int | None = None) -> None:
+        """Verify a complete block: stage it, or refuse it (its result). ``position``: the
+        block's (``open_block``'s answer), by default the last opened; blocks of one
+        request may complete concurrently (a codec verifying one while receiving the
+        next): they are staged in position order whatever order they finish in."""
         rules = self._rules
-        position = len(self.results) - 1
+        if position is None:
+            position = len(self.results) - 1
         problem = await rules.verifier.check_async(key, blob)
         if problem is None:
-            self.staged.append((position, key, blob))
+            bisect.insort(self.staged, (position, key, blob), key=_position)
             return
         rules.metrics.rejected("Put", "invalid_block")
         self._refuse(position, bad_request("invalid_block", f"block #{position}: {problem}"))
@@ -398,3 +403,7 @@ class PutIntake:
             rules.quotas.settle(tenant, stored_key, charged_before)
         rules.metrics.put_outcome(outcome.value)
         self.results[position].outcome = outcome
+
+
+def _position(staged: tuple[int, bytes, memoryview | bytes]) -> int:
+    return staged[0]

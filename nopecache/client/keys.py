@@ -15,7 +15,11 @@ A key is xxh3-128 over one canonical byte string (all integers little-endian):
     | token ids   u32 each         |        | token ids   u32 each         |
     +------------------------------+        +------------------------------+
 
-The ``kind`` byte separates the two domains, so a content key never equals a prefix key
+A third kind (3, *engine page*) names a page an engine already keyed itself (SGLang's
+chained page hash): the header, then the engine's hash as u32 length + bytes in place of
+the token ids; its fingerprint names the engine's page layout.
+
+The ``kind`` byte separates the domains, so a content key never equals a prefix key
 of the same tokens. A prefix key chains its parent's key, exactly as prefix caches
 (vLLM APC) chain block hashes: equal prefix keys imply equal tokens from position 0
 (up to a 2**-128 collision, which the block's stored token ids then catch). The
@@ -42,6 +46,7 @@ _MAGIC = b"nopecache.key\x00"
 _VERSION = 1
 _KIND_CONTENT = 1
 _KIND_PREFIX = 2
+_KIND_ENGINE_PAGE = 3
 _U32 = struct.Struct("<I")
 _NO_PARENT = b"\x00"
 _HAS_PARENT = b"\x01"
@@ -211,3 +216,17 @@ def prefix_chunks(
         out.append(KeyedChunk(span, key))
         link, expected_start = _HAS_PARENT + key.value, span.end
     return out
+
+
+def engine_page_key(
+    fingerprint: ModelFingerprint, namespace: Namespace, page_hash: str | bytes
+) -> BlockKey:
+    """Key of an engine page the engine hashed itself (its chained page hash, exact prefix)."""
+    _check_fingerprint(fingerprint)
+    raw = page_hash.encode("utf-8") if isinstance(page_hash, str) else page_hash
+    if not isinstance(raw, bytes) or not raw:
+        raise InvalidArgumentError(
+            "page_hash", f"must be a non-empty str or bytes, got {page_hash!r}"
+        )
+    header = _header(fingerprint, _namespace_bytes(namespace), _KIND_ENGINE_PAGE)
+    return BlockKey(xxhash.xxh3_128_digest(b"".join((header, _U32.pack(len(raw)), raw))))

@@ -55,7 +55,7 @@ import enum
 import struct
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,11 +74,16 @@ class StoredForm(enum.IntEnum):
     ROPE: K after RoPE at the block's ``source_positions``; re-rotated by a delta on fetch.
     MLA:  DeepSeek-style latent ``[kv_lora_rank | rope part]`` with the rope part in nope
           form; no separate V.
+    ENGINE_PAGE: one page of an engine's own KV pool, bytes in the engine's layout (which
+          the fingerprint names), K post-RoPE at positions only the engine's page hash
+          implies; token ids unknown (zeros). Reused only under the same engine key, never
+          rotated or placed by the client (SGLang's HiCache pages). ``v_head_dim`` 0: no V.
     """
 
     NOPE = 0
     ROPE = 1
     MLA = 2
+    ENGINE_PAGE = 3
 
 
 FORMAT_VERSION = 1
@@ -176,6 +181,9 @@ def _check_layout(form: StoredForm, dtype: str, shape: tuple[int, ...], v_head_d
             raise BlockHeaderError(f"v_head_dim: must be 0 for MLA (no V), got {v_head_dim}")
         if kv_heads != 1:
             raise BlockHeaderError(f"shape: MLA latent has kv_heads 1, got {kv_heads}")
+    elif form == StoredForm.ENGINE_PAGE:
+        if v_head_dim < 0:
+            raise BlockHeaderError(f"v_head_dim: must be >= 0 for ENGINE_PAGE, got {v_head_dim}")
     elif v_head_dim <= 0:
         raise BlockHeaderError(f"v_head_dim: must be positive for {form.name}, got {v_head_dim}")
     return DTYPE_ITEMSIZE[dtype] * layers * tokens * kv_heads * (head_dim + v_head_dim)
@@ -246,8 +254,8 @@ class BlockHeader:
 
     @property
     def v_shape(self) -> tuple[int, int, int, int] | None:
-        """Shape of V in the payload, None for MLA."""
-        if self.form == StoredForm.MLA:
+        """Shape of V in the payload, None for MLA (and a V-less ENGINE_PAGE)."""
+        if self.form == StoredForm.MLA or self.v_head_dim == 0:
             return None
         layers, tokens, kv_heads, _ = self.shape
         return (layers, tokens, kv_heads, self.v_head_dim)
@@ -487,7 +495,7 @@ def validate(blob: BytesLike, *, max_payload_bytes: int | None = None) -> BlockH
     return header
 
 
-def build_block(
+def _header_of(
     *,
     key: bytes,
     fingerprint: bytes,
@@ -497,14 +505,11 @@ def build_block(
     v_head_dim: int,
     token_ids: Sequence[int],
     payload: BytesLike | Sequence[BytesLike],
-    source_positions: Sequence[int] | None = None,
-    compression: str = "none",
-) -> bytes:
-    """A blob from the raw uncompressed payload (K then V), computing checksum and sizes.
-
-    ``payload`` may be given in parts (K bytes, V bytes): they are checksummed where they
-    lie and copied once, into the blob.
-    """
+    source_positions: Sequence[int] | None,
+    compression: str,
+) -> tuple[BlockHeader, list[memoryview], int]:
+    """The validated header of a payload given in parts, the parts as byte views, and
+    the payload size (checksummed where the parts lie)."""
     if isinstance(payload, bytes | bytearray | memoryview):
         payload = [payload]
     parts = [memoryview(p).cast("B") for p in payload]
@@ -530,6 +535,39 @@ def build_block(
         compression=compression,
         payload_nbytes=nbytes,
     )
+    return header, parts, nbytes
+
+
+def build_block(
+    *,
+    key: bytes,
+    fingerprint: bytes,
+    form: StoredForm,
+    dtype: str,
+    shape: tuple[int, int, int, int],
+    v_head_dim: int,
+    token_ids: Sequence[int],
+    payload: BytesLike | Sequence[BytesLike],
+    source_positions: Sequence[int] | None = None,
+    compression: str = "none",
+) -> bytes:
+    """A blob from the raw uncompressed payload (K then V), computing checksum and sizes.
+
+    ``payload`` may be given in parts (K bytes, V bytes): they are checksummed where they
+    lie and copied once, into the blob.
+    """
+    header, parts, nbytes = _header_of(
+        key=key,
+        fingerprint=fingerprint,
+        form=form,
+        dtype=dtype,
+        shape=shape,
+        v_head_dim=v_head_dim,
+        token_ids=token_ids,
+        payload=payload,
+        source_positions=source_positions,
+        compression=compression,
+    )
     if compression == "lz4":
         if nbytes > LZ4_MAX_INPUT:
             raise BlockSizeError(f"payload: {nbytes} bytes is over lz4's {LZ4_MAX_INPUT} limit")
@@ -537,6 +575,49 @@ def build_block(
         packed = lz4.block.compress(whole, store_size=False)
         return _frame(header, [packed], len(packed))
     return _frame(header, parts, nbytes)
+
+
+def build_block_into(
+    take: Callable[[int], memoryview],
+    *,
+    key: bytes,
+    fingerprint: bytes,
+    form: StoredForm,
+    dtype: str,
+    shape: tuple[int, int, int, int],
+    v_head_dim: int,
+    token_ids: Sequence[int],
+    payload: BytesLike | Sequence[BytesLike],
+    source_positions: Sequence[int] | None = None,
+) -> memoryview:
+    """``build_block``'s uncompressed blob, written into ``take(size)`` (a view of exactly
+    ``size`` writable bytes): the payload is copied once, into memory the caller reuses,
+    so a hot path pays no page faults for a fresh blob. Returns that view, filled."""
+    header, parts, nbytes = _header_of(
+        key=key,
+        fingerprint=fingerprint,
+        form=form,
+        dtype=dtype,
+        shape=shape,
+        v_head_dim=v_head_dim,
+        token_ids=token_ids,
+        payload=payload,
+        source_positions=source_positions,
+        compression="none",
+    )
+    hb = _encode_header(header, nbytes)
+    start = payload_offset(len(hb))
+    out = take(start + nbytes)
+    if out.nbytes != start + nbytes:
+        raise BlockSizeError(f"take: gave {out.nbytes} bytes, the blob needs {start + nbytes}")
+    PREFIX.pack_into(out, 0, MAGIC, len(hb), xxhash.xxh3_64_intdigest(hb))
+    out[PREFIX.size : PREFIX.size + len(hb)] = hb
+    out[PREFIX.size + len(hb) : start] = bytes(start - PREFIX.size - len(hb))
+    offset = start
+    for part in parts:
+        out[offset : offset + part.nbytes] = part
+        offset += part.nbytes
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -552,13 +633,21 @@ class DecodedBlock:
     v: torch.Tensor | None
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """Raw bytes of ``t`` in C order on the host: zero-copy for a contiguous CPU tensor."""
+def _host_bytes(t: torch.Tensor) -> list[memoryview]:
+    """Raw bytes of ``t`` in C order on the host, in parts: zero-copy for a contiguous CPU
+    tensor, and for a CPU tensor whose every ``t[i]`` is contiguous (a ``[:, s:e]`` token
+    slice of a ``[layers, tokens, ...]`` tensor): one view per layer, which the checksum
+    reads and the blob's join copies where they lie, instead of a layout copy first."""
     import torch
 
+    t = t.detach()
+    if t.device.type == "cpu" and not t.is_contiguous() and t.dim() > 1:
+        layers = [t[i] for i in range(t.shape[0])]
+        if all(layer.is_contiguous() for layer in layers):
+            return [layer.view(torch.uint8).reshape(-1).numpy().data for layer in layers]
     # Layout copy on the tensor's own device first (cheap on a GPU), then one transfer.
-    host = t.detach().contiguous().cpu()
-    return host.view(torch.uint8).reshape(-1).numpy().data
+    host = t.contiguous().cpu()
+    return [host.view(torch.uint8).reshape(-1).numpy().data]
 
 
 def encode_block(
@@ -613,7 +702,7 @@ def encode_block(
         shape=shape,
         v_head_dim=v_head_dim,
         token_ids=token_ids,
-        payload=[_host_bytes(t) for t in tensors],
+        payload=[part for t in tensors for part in _host_bytes(t)],
         source_positions=source_positions,
         compression=compression,
     )

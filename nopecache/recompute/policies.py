@@ -356,6 +356,20 @@ class RecomputePolicy(abc.ABC):
         the ``question`` (every token after the last reused chunk)."""
         return "last"
 
+    @property
+    def prescan(self) -> bool:
+        """Whether the policy chooses its tokens before layer 0 from the probe's attention
+        over layer 0's keys (exact in the cache: layer 0 sees no context), through
+        :meth:`initial_ranked`, instead of :meth:`initial`."""
+        return False
+
+    def initial_ranked(
+        self, layout: ReuseLayout, num_layers: int, attention: torch.Tensor
+    ) -> torch.Tensor:
+        """Bool ``[layout.num_pi]`` for a prescanning policy, given the probe's attention
+        ``[kv_heads, num_pi]`` at layer 0; others ignore it."""
+        return self.initial(layout, num_layers)
+
     @abc.abstractmethod
     def schedule(self, layout: ReuseLayout, num_layers: int) -> Schedule:
         """The token counts this policy recomputes on ``layout`` (what the budget buys)."""

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch.nn import functional as F
 
+from nopecache.client.errors import InvalidArgumentError
 from nopecache.recompute.policies import LayerState, RecomputePolicy, ReuseLayout
 
 __all__ = [
@@ -198,6 +199,49 @@ class _Lookahead:
         self.stream = self.stack.finish_layer(layer, self.stream, attn)
 
 
+def _prescan(
+    stack: Stack,
+    kv: LayerKV,
+    input_ids: torch.Tensor,
+    layout: ReuseLayout,
+    policy: RecomputePolicy,
+    lookahead: torch.Tensor | None,
+) -> torch.Tensor:
+    """The probe's attention ``[kv_heads, num_pi]`` at layer 0 to every reused token, before
+    any layer runs: layer 0's queries and keys need no attention (only the embedding, the
+    norm and the projections), and the cached layer-0 K of a reused token is exact. The
+    misses' layer-0 keys are projected here (the loop computes them again), the reused
+    tokens' are read from the cache: no reused token is computed to be ranked."""
+    miss = (~layout.reused_mask()).nonzero().squeeze(1)
+    cached, _ = kv.layer(0)
+    keys = cached.clone()
+    queries: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    if miss.numel():
+        _, x = stack.attention_input(0, stack.embed(input_ids.to(stack.device)[miss]))
+        proj = stack.project(0, x, miss)
+        keys[miss] = proj.k.to(keys.dtype)
+        rows = _probe_rows(policy, layout, miss)
+        if not rows.numel() and (lookahead is None or not lookahead.numel()):
+            # No question in the range nor past it: the last misses probe.
+            rows = torch.arange(max(0, int(miss.numel()) - PROBE_TOKENS), int(miss.numel()))
+        queries.append(proj.queries(rows))
+        positions.append(miss[rows])
+    if lookahead is not None and lookahead.numel() and policy.probe == "question":
+        at = torch.arange(layout.num_tokens, layout.num_tokens + int(lookahead.numel()))
+        _, x = stack.attention_input(0, stack.embed(lookahead.to(stack.device)))
+        ahead = stack.project(0, x, at)
+        keys = torch.cat([keys, ahead.k.to(keys.dtype)])
+        queries.append(ahead.queries(None))
+        positions.append(at)
+    if not queries:
+        raise InvalidArgumentError("layout", "a prescan needs a computed token to probe with")
+    q, pos = torch.cat(queries), torch.cat(positions)
+    return _probe_attention(
+        stack, q[-QUESTION_PROBE_TOKENS:], pos[-QUESTION_PROBE_TOKENS:], keys, layout.pi_tokens
+    )
+
+
 def _attention_of_probe(
     stack: Stack,
     policy: RecomputePolicy,
@@ -290,7 +334,14 @@ def run_selective(
     run up to the last one and are not counted as recompute, nor stored).
     """
     tokens = layout.num_tokens
-    running = running_at_start(layout, policy, stack.num_layers)
+    if policy.prescan and layout.num_pi:
+        attention = _prescan(stack, kv, input_ids, layout, policy, lookahead)
+        chosen = policy.initial_ranked(layout, stack.num_layers, attention)
+        is_pi = torch.zeros(tokens, dtype=torch.bool)
+        is_pi[layout.pi_tokens[chosen]] = True
+        running = (~layout.reused_mask() | is_pi).nonzero().squeeze(1)
+    else:
+        running = running_at_start(layout, policy, stack.num_layers)
     pi_of_token = torch.full((tokens,), -1, dtype=torch.int64)
     pi_of_token[layout.pi_tokens] = torch.arange(layout.num_pi)
     checks = policy.check_layers()

@@ -29,3 +29,4 @@ def test_every_bench_is_covered() -> None:
     names = {p.stem for p in bench_files(vllm=False)}
     assert {"client", "server", "load", "fuzz"} <= names
     assert {p.stem for p in bench_files(vllm=True)} >= {"vllm_e2e", "vllm_blend"}
+    assert "sglang_pages" not in names  # runs in .venv-sglang (tests/integrations/sglang)

@@ -55,6 +55,13 @@ async def _sigterm_during_a_put(address: str, proc_signal: object) -> None:
 
         in_flight = stub.Put(frames())
         await sent_first.wait()
+        # The first frame left the client; the call is in flight once the server runs it
+        # (on a loaded machine that can be much later): wait for the server to say so.
+        admin = cache_pb2_grpc.AdminStub(channel)
+        deadline = time.monotonic() + 30  # a hang guard
+        while (await admin.AdminStats(pb.AdminStatsRequest())).in_flight < 1:
+            assert time.monotonic() < deadline, "the Put never reached the server"
+            await asyncio.sleep(0.01)
         proc_signal(signal.SIGTERM)  # type: ignore[operator]
         # Out of rotation: a new Put is refused, UNAVAILABLE by the drain or by the closed
         # listener, or CANCELLED when it reaches gRPC as it shuts down; the client treats

@@ -210,6 +210,30 @@ async def test_an_invalid_block_is_refused_alone_and_a_repeat_is_already_present
 
 
 @pytest.mark.asyncio
+async def test_blocks_completed_out_of_order_are_staged_and_answered_by_position(
+    rules: Rules,
+) -> None:
+    """The bulk stream verifies block n while receiving n+1: completions may finish in
+    any order, results and stores follow the request's order."""
+    keys = [key_of(20), key_of(21), key_of(22)]
+    broken = bytearray(block(keys[1]))
+    broken[-1] ^= 0xFF
+    blobs = [block(keys[0]), bytes(broken), block(keys[2])]
+    with rules.lease() as lease:
+        intake = rules.puts.intake(ANONYMOUS, lease, BULK_WORDING)
+        positions = [await intake.open_block(k, len(b)) for k, b in zip(keys, blobs, strict=True)]
+        assert positions == [0, 1, 2]
+        for i in (2, 0, 1):
+            await intake.complete(keys[i], memoryview(blobs[i]), positions[i])
+        assert [p for p, _, _ in intake.staged] == [0, 2]
+        results = await intake.finish()
+    assert [r.outcome for r in results] == [PutOutcome.STORED, None, PutOutcome.STORED]
+    refusal = results[1].refusal
+    assert refusal is not None and refusal.message.startswith("block #1: checksum:")
+    assert await rules.store.lookup(keys) == ["cpu", None, "cpu"]
+
+
+@pytest.mark.asyncio
 async def test_frames_stage_a_partial_block_until_its_last_frame(rules: Rules) -> None:
     key = key_of(7)
     blob = block(key)
@@ -277,7 +301,7 @@ async def test_both_reads_yield_each_hit_and_miss_in_request_order(rules: Rules)
     buffer = SendBuffer()
     with rules.lease() as lease:
         into = [
-            (code, bytes(buffer.data[:size]))
+            (code, b"".join(buffer.parts))
             async for code, size in rules.gets.into(ANONYMOUS, keys, lease, buffer)
         ]
     assert into == [(0, b""), (1, block(key_of(1))), (0, b""), (1, block(key_of(3)))]

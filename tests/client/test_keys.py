@@ -262,3 +262,18 @@ def test_bad_arguments_raise_naming_the_argument(call: object, argument: str) ->
     with pytest.raises(InvalidArgumentError) as err:
         call()
     assert err.value.argument == argument
+
+
+def test_engine_page_keys_are_their_own_domain() -> None:
+    """An engine's page hash keys a block apart from content and prefix keys, per
+    fingerprint and namespace; str and its UTF-8 bytes are one hash."""
+    from nopecache.client.keys import engine_page_key
+
+    key = engine_page_key(FP, "", "abc")
+    assert key == engine_page_key(FP, "", b"abc")
+    assert key != engine_page_key(FP, "t", "abc")
+    assert key != engine_page_key(dataclasses.replace(FP, model="other"), "", "abc")
+    assert key != engine_page_key(FP, "", "abd")
+    assert key not in {content_key(FP, "", [97, 98, 99]), prefix_key(FP, "", [97, 98, 99], None)}
+    with pytest.raises(InvalidArgumentError, match="page_hash"):
+        engine_page_key(FP, "", "")

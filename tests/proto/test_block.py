@@ -213,6 +213,30 @@ def test_non_contiguous_tensors_are_stored_in_logical_order() -> None:
     assert torch.equal(bits(out.k), bits(k)) and torch.equal(bits(out.v), bits(v))
 
 
+def test_a_token_slice_is_encoded_from_its_layers_in_place_as_its_contiguous_copy() -> None:
+    """``k[:, s:e]`` of ``[layers, tokens, ...]`` (what the store pipeline encodes) is
+    checksummed and copied layer by layer where it lies: the blob is byte for byte the
+    blob of its contiguous copy."""
+    k_all = random_tensor((3, 10, 2, 4), torch.bfloat16, 5)
+    v_all = random_tensor((3, 10, 2, 4), torch.bfloat16, 6)
+    k, v = k_all[:, 4:7], v_all[:, 4:7]
+    assert not k.is_contiguous() and all(k[i].is_contiguous() for i in range(3))
+    ids = [7, 8, 9]
+    sliced = encode_block(key=KEY, fingerprint=FP, form=StoredForm.NOPE, k=k, v=v, token_ids=ids)
+    copied = encode_block(
+        key=KEY,
+        fingerprint=FP,
+        form=StoredForm.NOPE,
+        k=k.contiguous(),
+        v=v.contiguous(),
+        token_ids=ids,
+    )
+    assert sliced == copied
+    out = decode_block(sliced)
+    assert out.v is not None
+    assert torch.equal(bits(out.k), bits(k)) and torch.equal(bits(out.v), bits(v))
+
+
 def test_decode_of_writable_blob_aliases_it_and_payload_is_aligned() -> None:
     blob = bytearray(make(SMALL)[0])
     out = decode_block(blob)
@@ -529,3 +553,34 @@ def test_decode_of_read_only_bytes_emits_no_warning(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "torch.Size([2, 3, 2, 4]) torch.Size([2, 3, 2, 4])\n"
+
+
+def test_build_block_into_writes_build_blocks_bytes_into_the_given_buffer() -> None:
+    """The engine-page form: opaque bytes, no V (v_head_dim 0), token ids unknown (zeros)."""
+    from nopecache.proto.block import build_block, build_block_into
+
+    k = bytes(range(256)) * 6  # 2 layers x 4 tokens x 3 heads x 32 dims x 2 bytes
+    args: dict[str, Any] = dict(
+        key=b"k" * 16,
+        fingerprint=b"fp",
+        form=StoredForm.ENGINE_PAGE,
+        dtype="bfloat16",
+        shape=(2, 4, 3, 32),
+        v_head_dim=0,
+        token_ids=(0, 0, 0, 0),
+        payload=[k[:700], k[700:]],
+    )
+    taken: list[int] = []
+    arena = bytearray(8192)
+
+    def take(size: int) -> memoryview:
+        taken.append(size)
+        return memoryview(arena)[:size]
+
+    blob = build_block_into(take, **args)
+    assert bytes(blob) == build_block(**args)
+    assert taken == [blob.nbytes]
+    header = validate(blob)
+    assert header.form is StoredForm.ENGINE_PAGE and header.v_shape is None
+    with pytest.raises(BlockHeaderError, match="v_head_dim"):
+        build_block(**{**args, "v_head_dim": -1})

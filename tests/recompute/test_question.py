@@ -123,6 +123,7 @@ def test_labels_and_the_engines_factory_name() -> None:
     )
     by_name = rc.policy_by_name("question", 0.2)
     assert isinstance(by_name, QuestionAware) and by_name.budget == 0.2
+    assert by_name.name == "question(0.2,0.5,prescan)"
     assert "question" in rc.POLICY_FACTORIES
 
 
@@ -139,3 +140,19 @@ def test_the_probe_reads_the_question_not_the_last_tokens() -> None:
     # The question past the loop's range (vLLM's claim ends before it): no rows here.
     cut = ReuseLayout(10, 0, (ChunkSpan(2, 10),))
     assert selective._probe_rows(question(0.3), cut, torch.arange(10)).numel() == 0
+
+
+def test_prescan_pays_the_whole_budget_for_ranked_tokens() -> None:
+    # 7 reused tokens, budget 0.6: round(4.2) = 4 tokens at every layer, no candidates;
+    # start 0.5: round(2.1) = 2 of them chunk starts (0 and 4), 2 ranked by attention.
+    policy = question(0.6, 0.5, prescan=True)
+    assert policy.prescan and policy.check_layers() == frozenset()
+    plan = policy.schedule(LAYOUT, LAYERS)
+    assert (plan.keep, plan.token_layers, int(plan.candidates.sum())) == (2, 40, 0)
+    assert policy.planned_fraction(LAYOUT, LAYERS) == 40 / 70
+    attention = torch.tensor([[0.9, 0.1, 0.2, 0.05, 0.9, 0.3, 0.0]])
+    assert _picked(policy.initial_ranked(LAYOUT, LAYERS, attention)) == [0, 2, 4, 5]
+    assert not question(0.6).prescan
+    with pytest.raises(InvalidArgumentError) as err:
+        question(0.3, prescan=True, score="attention_v")
+    assert err.value.argument == "score"

@@ -23,9 +23,20 @@ BENCH = ROOT / "bench"
 QUICK_TIMEOUT_S = 600.0
 
 
+ENGINE_PREFIXES = ("vllm_", "sglang_")
+
+
 def bench_files(vllm: bool) -> list[Path]:
-    """The bench entry points (``bench/[!_]*.py``): the vLLM ones or all the others."""
-    return sorted(p for p in BENCH.glob("[!_]*.py") if p.name.startswith("vllm_") == vllm)
+    """The bench entry points (``bench/[!_]*.py``): the vLLM ones, or those of the main
+    environment (neither vLLM's nor SGLang's, see :func:`engine_bench_files`)."""
+    if vllm:
+        return engine_bench_files("vllm_")
+    return sorted(p for p in BENCH.glob("[!_]*.py") if not p.name.startswith(ENGINE_PREFIXES))
+
+
+def engine_bench_files(prefix: str) -> list[Path]:
+    """The benches of one engine's environment (``bench/vllm_*.py``, ``bench/sglang_*.py``)."""
+    return sorted(BENCH.glob(f"{prefix}*.py"))
 
 
 def declared_keys(path: Path) -> tuple[str, ...]:

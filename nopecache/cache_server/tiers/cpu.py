@@ -29,6 +29,13 @@ policies (one huge one-off prompt flushing the hot set) is weaker here because a
 evicted block is demoted to the next tier, not lost. ``get`` and ``put`` of a present key
 refresh recency; ``contains_many`` is a query and does not.
 
+Read leases (``lease``): a reader that sends a block's bytes across awaits (the bulk
+stream) borrows views of its pages instead of a copy. While leased, the block may still be
+evicted or deleted (it leaves the index at once), but its pages stay out of the free
+stack until the last lease ends, so they are never rewritten under a reader. Leases hold
+at most ``lease_share`` of the pool (more are refused: the reader copies), and a put that
+could only find room in leased pages is refused (UNAVAILABLE) before anything is evicted.
+
 Concurrency: no method awaits between reading and updating the index or the pool, so
 each operation is atomic with respect to other coroutines on the loop; no lock is
 needed (and none may be added that blocks in ``async def``). An 8 MiB copy holds the
@@ -61,7 +68,14 @@ from nopecache.cache_server.tiers.base import (
     query_options,
 )
 
-__all__ = ["DEFAULT_PAGE_BYTES", "CpuTier", "PageTable", "PagedTier", "Placement"]
+__all__ = [
+    "DEFAULT_PAGE_BYTES",
+    "CpuTier",
+    "PageTable",
+    "PagedTier",
+    "Placement",
+    "TierLease",
+]
 
 DEFAULT_PAGE_BYTES = 64 * 1024
 # Device files of a GPU driver torch.cuda can use (NVIDIA, ROCm, WSL): without any of them
@@ -91,6 +105,13 @@ class PageTable:
         self._free: list[int] = list(range(n_pages - 1, -1, -1))
         # Iteration order is recency order: first = least recently used.
         self.index: OrderedDict[bytes, Placement] = OrderedDict()
+        # Read leases: placements whose pages someone reads outside the loop's atomic
+        # steps (a send in flight), with their lease counts. A leased block that is
+        # evicted or deleted leaves the index at once but keeps its pages (``retired``)
+        # until its last lease ends: its pages are never rewritten while leased.
+        self._leases: dict[Placement, int] = {}
+        self._retired: set[Placement] = set()
+        self.leased_pages = 0
 
     @property
     def free_pages(self) -> int:
@@ -142,23 +163,84 @@ class PageTable:
             if key in index and keep.holds(key)
         )
 
+    def leased(self, placement: Placement) -> bool:
+        """Whether ``placement`` is held by a read lease now."""
+        return placement in self._leases
+
+    def lease(self, placement: Placement) -> None:
+        """Hold ``placement``'s pages: not reused until ``unlease`` (see ``_leases``)."""
+        count = self._leases.get(placement, 0)
+        if not count:
+            self.leased_pages += self.pages_for(placement.size)
+        self._leases[placement] = count + 1
+
+    def unlease(self, placement: Placement) -> None:
+        """End one lease of ``placement``; the last one frees a retired block's pages."""
+        count = self._leases[placement] - 1
+        if count:
+            self._leases[placement] = count
+            return
+        del self._leases[placement]
+        self.leased_pages -= self.pages_for(placement.size)
+        if placement in self._retired:
+            self._retired.discard(placement)
+            self._free_pages(placement)
+
     def release(self, placement: Placement) -> None:
-        """Return a block's pages to the free stack (ascending pops preserved)."""
+        """Return a block's pages to the free stack (ascending pops preserved); a leased
+        block's pages only when its last lease ends."""
+        if placement in self._leases:
+            self._retired.add(placement)
+            return
+        self._free_pages(placement)
+
+    def _free_pages(self, placement: Placement) -> None:
         for start, count in reversed(placement.runs):
             self._free.extend(range(start + count - 1, start - 1, -1))
 
     def check(self) -> None:
         """Raise AssertionError unless every page is either free or owned exactly once."""
         seen = list(self._free)
-        for placement in self.index.values():
+        for placement in (*self.index.values(), *self._retired):
             assert self.pages_for(placement.size) == sum(c for _, c in placement.runs)
             for start, count in placement.runs:
                 seen.extend(range(start, start + count))
         assert sorted(seen) == list(range(self.n_pages)), "pages leaked or double-owned"
 
 
+class TierLease:
+    """A read lease of one block's pages (``PagedTier.lease``): ``views`` stay valid and
+    unchanged until ``release`` (idempotent; also on leaving a ``with``)."""
+
+    __slots__ = ("_placement", "_table", "size", "views")
+
+    def __init__(self, table: PageTable, placement: Placement, views: list[memoryview]) -> None:
+        self._table: PageTable | None = table
+        self._placement = placement
+        self.views = views
+        self.size = placement.size
+
+    def release(self) -> None:
+        """End the lease: the pages may be reused from now on."""
+        table, self._table = self._table, None
+        if table is not None:
+            table.unlease(self._placement)
+
+    def __enter__(self) -> TierLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class PagedTier(Tier):
-    """A tier over a preallocated pool of pages; subclasses move the bytes."""
+    """A tier over a preallocated pool of pages; subclasses move the bytes.
+
+    ``lease_share``: the most of the pool that read leases may hold at once, so that
+    leases can never keep a put from finding room for a block of up to the rest.
+    """
+
+    lease_share: float = 0.5
 
     def __init__(self, capacity_bytes: int, page_bytes: int, url: str) -> None:
         if page_bytes < 1:
@@ -267,13 +349,17 @@ class PagedTier(Tier):
         need = table.pages_for(len(src))
         if need > table.n_pages:
             return PutResult(PutStatus.TOO_LARGE)
+        if need > table.n_pages - table.leased_pages:
+            # Leased pages come back when their reads end; nothing is evicted for it.
+            return PutResult(PutStatus.UNAVAILABLE)
         keep = self.keep
         # Checked before evicting anything: a put that cannot fit leaves the tier as it was.
+        # (A block both kept and leased counts twice here: a refusal, never a failed loop.)
         if (
             keep is not None
             and len(keep)
             and table.free_pages < need
-            and table.n_pages - table.kept_pages(keep) < need
+            and table.n_pages - table.kept_pages(keep) - table.leased_pages < need
         ):
             return PutResult(PutStatus.FULL)
         evicted: list[Evicted] = []
@@ -284,6 +370,30 @@ class PagedTier(Tier):
             table.release(old)
         self._write(table.allocate(key, len(src)), src)
         return PutResult(PutStatus.STORED, tuple(evicted))
+
+    def lease(self, key: bytes) -> TierLease | None:
+        """Views of ``key``'s bytes in the pool, held from reuse until the lease ends
+        (refreshing recency); None on a miss, for a tier whose pages are not host memory
+        the caller may read, or when leased pages would pass ``lease_share`` of the pool
+        (the caller copies then, with ``get_into``)."""
+        self._check_open()
+        table = self._table
+        placement = table.index.get(key)
+        if placement is None:
+            return None
+        pages = 0 if table.leased(placement) else table.pages_for(placement.size)
+        if table.leased_pages + pages > self.lease_share * table.n_pages:
+            return None
+        views = self._views(placement)
+        if views is None:
+            return None
+        table.index.move_to_end(key)
+        table.lease(placement)
+        return TierLease(table, placement, views)
+
+    def _views(self, placement: Placement) -> list[memoryview] | None:
+        """Read-only views of a block's runs, in order (None: not host memory)."""
+        return None
 
     async def delete(self, key: bytes) -> bool:
         """Remove ``key`` and free its pages."""
@@ -396,6 +506,15 @@ class CpuTier(PagedTier):
             left -= n
         # bytes.join copies each buffer once straight into the result.
         return b"".join(parts)
+
+    def _views(self, placement: Placement) -> list[memoryview] | None:
+        mem, page = self._mem, self._table.page_bytes
+        views, left = [], placement.size
+        for start, count in placement.runs:
+            n = min(count * page, left)
+            views.append(mem[start * page : start * page + n].toreadonly())
+            left -= n
+        return views
 
     def _read_into(self, placement: Placement, out: memoryview) -> None:
         mem, page = self._mem, self._table.page_bytes

@@ -40,6 +40,7 @@ Touching hits within one segment are one chunk for the policy (see
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,8 +63,10 @@ from nopecache.integrations.hf.forward import (
     check_supported,
     selective_prefill,
 )
+from nopecache.integrations.hf.gate import Tokenize, calibrate
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
+from nopecache.recompute.gate import DEFAULT_THRESHOLDS, GateThresholds, GateVerdict
 from nopecache.recompute.policies import (
     DEFAULT_POLICY,
     NoRecompute,
@@ -82,6 +85,8 @@ __all__ = [
     "UnsupportedModelError",
     "check_supported",
 ]
+
+log = logging.getLogger(__name__)
 
 NEWLINE_SINK: tuple[int, ...] = (198,)
 """SmolLM2's newline token: a one-token neutral prefix for ``chunk_kv(sink_prefix=...)``."""
@@ -205,6 +210,10 @@ class HFEngine:
         revision: str = "",
         sink_prefix: Sequence[int] = (),
         on_prefill: Callable[[int, float], None] | None = None,
+        policy: RecomputePolicy | None = None,
+        rope: RopeSpec | None = None,
+        gate: Tokenize | None = None,
+        gate_thresholds: GateThresholds = DEFAULT_THRESHOLDS,
     ) -> None:
         """Wrap ``model``; raise :class:`UnsupportedModelError` if it cannot be run exactly.
 
@@ -214,6 +223,14 @@ class HFEngine:
         it computed (per layer, on average) and how long it took: a client's
         ``observe_prefill`` (``CacheClientSource(client, engine=...)`` adds it), so the
         cost model compares fetches with this engine's real prefill rate.
+
+        ``policy``: what :meth:`prefill` recomputes unless told otherwise (default
+        ``DEFAULT_POLICY``). ``rope``: the RoPE description fetched K is rotated with
+        (default: from the model's config). ``gate``: a tokenizer function; with it the
+        engine runs the blend correctness gate now (``integrations/hf/gate.py``) and, when
+        the gate refuses, reuses exact prefixes only: position-independent chunks become
+        misses, each such prefill counted in ``blend_fallbacks`` (the verdict, with its
+        figures, is ``gate_verdict`` and is logged).
         """
         self.prefill_observers: list[Callable[[int, float], None]] = (
             [] if on_prefill is None else [on_prefill]
@@ -221,9 +238,23 @@ class HFEngine:
         self.sink_prefix = tuple(int(t) for t in sink_prefix)
         self.stack = LlamaStack(model)
         self.model = model
-        self.rope = RopeSpec.from_hf_config(model.config)
+        self.rope = rope if rope is not None else RopeSpec.from_hf_config(model.config)
         self.name = name or str(getattr(model.config, "_name_or_path", "") or "model")
         self.revision = revision
+        self.policy = policy if policy is not None else DEFAULT_POLICY
+        self.blend_fallbacks = 0
+        self.gate_verdict: GateVerdict | None = None
+        if gate is not None:
+            self.gate_verdict = calibrate(self, gate, self.policy, thresholds=gate_thresholds)
+            if self.gate_verdict.passed:
+                log.info("nopecache: %s: %s", self.name, self.gate_verdict.reason())
+            else:
+                log.warning("nopecache: %s: %s", self.name, self.gate_verdict.reason())
+
+    @property
+    def blend_allowed(self) -> bool:
+        """False when the correctness gate refused blend mode (exact prefixes only)."""
+        return self.gate_verdict is None or self.gate_verdict.passed
 
     def fingerprint(self, form: StoredForm = StoredForm.NOPE) -> ModelFingerprint:
         """The model's KV identity for keys and blocks."""
@@ -250,16 +281,22 @@ class HFEngine:
         policy: RecomputePolicy | None = None,
         *,
         capture: bool = False,
+        gate: bool = True,
     ) -> PrefillOutput:
         """Prefill ``tokens`` over ``reused`` KV, recomputing what ``policy`` selects.
 
         Without ``reused`` this is a full prefill (bit-identical to
-        ``model(ids, logits_to_keep=1)``). ``policy`` defaults to ``DEFAULT_POLICY``. If the
+        ``model(ids, logits_to_keep=1)``). ``policy`` defaults to the engine's. If the
         prompt's last token was reused it is computed anyway (its logits are needed).
-        ``capture`` adds the nope K.
+        ``capture`` adds the nope K. When the correctness gate refused blend mode (and
+        ``gate`` is True) reused chunks are computed as misses.
         """
         ids = self._ids(tokens)
-        policy = policy if policy is not None else DEFAULT_POLICY
+        policy = policy if policy is not None else self.policy
+        if gate and reused is not None and reused.layout.chunks and not self.blend_allowed:
+            self.blend_fallbacks += 1
+            exact = ReuseLayout(reused.layout.num_tokens, reused.layout.prefix_end)
+            reused = ReusedKV(reused.k, reused.v, exact)
         if reused is not None and reused.layout.num_tokens != len(ids):
             raise InvalidArgumentError(
                 "reused", f"covers {reused.layout.num_tokens} tokens, the prompt has {len(ids)}"

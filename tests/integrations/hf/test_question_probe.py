@@ -135,3 +135,39 @@ def test_lookahead_question_equals_the_in_prompt_question(engine: HFEngine) -> N
         output=False,
     )
     assert not torch.allclose(blind.attention[0], ahead.attention[0], atol=1e-3)
+
+
+def test_prescan_chooses_the_same_tokens_inside_the_prompt_and_from_a_lookahead(
+    engine: HFEngine,
+) -> None:
+    store = InProcessStore(engine, prefix_block_tokens=8)
+    store.store(CHUNK, engine.chunk_kv(CHUNK), prefix=False)
+    prompt = HEAD + CHUNK + QUESTION
+    reused = store.reuse(prompt, [len(HEAD), END])
+    assert reused is not None
+    policy = question(0.25, 0.5, prescan=True)
+    full = engine.prefill(prompt, reused, policy)
+    # round(0.25 * 32) = 8 tokens at every layer, 4 of them the chunk's first.
+    assert full.recomputed.tolist() == [8] * engine.stack.num_layers
+    assert full.recompute_fraction == 0.25
+
+    layout = ReuseLayout(END, 0, reused.layout.chunks)
+    k = torch.empty(engine.stack.kv_shape(END))
+    v = torch.empty(engine.stack.kv_shape(END))
+    rows = layout.reused_mask().nonzero().squeeze(1)
+    k[:, rows], v[:, rows] = reused.k[:, rows], reused.v[:, rows]
+    ids = torch.tensor(prompt)
+    run_selective(
+        _HFStackRun(engine.stack, len(prompt), False),
+        _BufferKV(k, v, reused.k[:, :END], reused.v[:, :END]),
+        ids[:END],
+        layout,
+        policy,
+        output=False,
+        lookahead=ids[END:],
+    )
+    # The same tokens recomputed: the same K/V in the range.
+    assert torch.allclose(k, full.k[:, :END], atol=1e-4)
+    assert torch.allclose(v, full.v[:, :END], atol=1e-4)
+    chosen = (full.k[-1, len(HEAD) : END] != reused.k[-1, len(HEAD) : END]).any(-1).any(-1)
+    assert int(chosen.sum()) == 8 and chosen[:4].all()

@@ -1,0 +1,74 @@
+"""Everything that reads SGLang's internals (0.5.23): host pool classes, storage config,
+metrics. The rest of the package sees only :class:`PoolGeometry` and :class:`PageIdentity`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nopecache.integrations.sglang.identity import PageIdentity
+from nopecache.integrations.sglang.pages import PoolGeometry
+
+__all__ = ["page_identity", "pool_geometry", "storage_metrics"]
+
+
+def pool_geometry(pool: Any) -> PoolGeometry:
+    """The geometry of SGLang's host pool; ValueError for a pool kind not supported."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    # Exact classes: subclasses (asymmetric K/V widths, sparse pools) lay pages out otherwise.
+    if type(pool) is MHATokenToKVPoolHost:
+        return PoolGeometry(
+            layout=pool.layout,
+            page_size=pool.page_size,
+            num_layers=pool.layer_num,
+            num_heads=pool.head_num,
+            head_dim=pool.head_dim,
+            v_head_dim=pool.head_dim,
+            dtype=pool.dtype,
+            components=(pool.k_buffer, pool.v_buffer),
+        )
+    if type(pool) is MLATokenToKVPoolHost:
+        return PoolGeometry(
+            layout=pool.layout,
+            page_size=pool.page_size,
+            num_layers=pool.layer_num,
+            num_heads=1,
+            head_dim=pool.kv_cache_dim,
+            v_head_dim=0,
+            dtype=pool.dtype,
+            components=(pool.kv_buffer,),
+        )
+    raise ValueError(
+        f"host pool {type(pool).__name__} is not supported by the nopecache backend "
+        "(supported: MHATokenToKVPoolHost, MLATokenToKVPoolHost)"
+    )
+
+
+def page_identity(storage_config: Any) -> PageIdentity:
+    """The rank slice of SGLang's ``HiCacheStorageConfig``."""
+    return PageIdentity(
+        tp_rank=int(storage_config.tp_rank),
+        tp_size=int(storage_config.tp_size),
+        pp_rank=int(storage_config.pp_rank),
+        pp_size=int(storage_config.pp_size),
+        is_mla=bool(storage_config.is_mla_model),
+    )
+
+
+def storage_metrics(
+    prefetch_pages: list[int],
+    backup_pages: list[int],
+    prefetch_gbps: list[float],
+    backup_gbps: list[float],
+) -> Any:
+    """SGLang's ``StorageMetrics`` record (what ``get_stats`` returns to its collector)."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    metrics = StorageMetrics()
+    metrics.prefetch_pgs.extend(prefetch_pages)
+    metrics.backup_pgs.extend(backup_pages)
+    metrics.prefetch_bandwidth.extend(prefetch_gbps)
+    metrics.backup_bandwidth.extend(backup_gbps)
+    return metrics

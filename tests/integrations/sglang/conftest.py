@@ -1,0 +1,136 @@
+"""Fixtures for the tests that run SGLang's own classes (CPU) in ``.venv-sglang``.
+
+They are collected only where SGLang is importable (``make test-sglang`` runs
+``.venv-sglang/bin/python -m pytest tests/integrations/sglang``); the main environment skips
+this folder. Host pools are SGLang's real ``MHATokenToKVPoolHost`` over a real
+``MHATokenToKVPool`` on the CPU, tiny shapes; servers are real nopecache servers on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.sglang_cpu import prepare_sglang_import
+
+prepare_sglang_import()
+pytest.importorskip("sglang", reason="the SGLang tests run in .venv-sglang (make test does)")
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+
+from nopecache.integrations.sglang.backend import NopecacheStorage  # noqa: E402
+
+MODEL = "tiny-sglang-test"
+PAGE_SIZE = 4
+LAYERS = 3
+HEADS = 2
+HEAD_DIM = 8
+DEVICE_TOKENS = 64  # the host pool holds twice that: 33 pages of 4 tokens
+# SGLang sizes a host pool against the machine's free RAM minus a reserve of several GiB,
+# which on a shared machine can be below zero. Its own scope books pools against a given
+# budget instead: these pools need a few KiB, the budget is far above that.
+HOST_BUDGET_BYTES = 1 << 30
+
+HostFactory = Callable[[str], Any]
+BackendFactory = Callable[..., NopecacheStorage]
+
+
+def extra_config(url: str, **extra: Any) -> dict[str, Any]:
+    """SGLang's extra config loading this backend dynamically, plus nopecache's keys."""
+    return {
+        "backend_name": "nopecache",
+        "module_path": "nopecache.integrations.sglang.backend",
+        "class_name": "NopecacheStorage",
+        "interface_v1": 1,
+        "url": url,
+        **extra,
+    }
+
+
+def storage_config(
+    extra: dict[str, Any], *, layout: str = "page_first", **fields: Any
+) -> HiCacheStorageConfig:
+    """SGLang's storage config for one rank (tp 0 of 1 unless ``fields`` say otherwise)."""
+    values: dict[str, Any] = {
+        "tp_rank": 0,
+        "tp_size": 1,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_cp_size": 1,
+        "is_mla_model": False,
+        "enable_storage_metrics": False,
+        "is_page_first_layout": layout == "page_first",
+        "model_name": MODEL,
+        **fields,
+    }
+    # SGLang parses the command line's JSON: the dict it hands over went through json.
+    return HiCacheStorageConfig(extra_config=json.loads(json.dumps(extra)), **values)
+
+
+@pytest.fixture(scope="session")
+def device_pool() -> MHATokenToKVPool:
+    """One real device KV pool on the CPU (bf16, 3 layers, 2 heads of 8)."""
+    return MHATokenToKVPool(
+        size=DEVICE_TOKENS,
+        page_size=PAGE_SIZE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+
+
+@pytest.fixture
+def host_pool(device_pool: MHATokenToKVPool) -> HostFactory:
+    """``host_pool(layout)``: a new real host pool over the device pool, zeroed."""
+
+    def make(layout: str) -> MHATokenToKVPoolHost:
+        info = device_pool.get_device_pool_infos()[0].buffer_info
+        with host_memory_budget_scope(HOST_BUDGET_BYTES):
+            host = MHATokenToKVPoolHost(
+                info,
+                2.0,
+                0,
+                PAGE_SIZE,
+                layout,
+                pin_memory=False,
+                device="cpu",
+                device_capacity_tokens=device_pool.size,
+                start_layer=device_pool.start_layer,
+                end_layer=device_pool.end_layer,
+            )
+        host.kv_buffer.zero_()
+        return host
+
+    return make
+
+
+@pytest.fixture
+def backends() -> Iterator[BackendFactory]:
+    """``backends(host, extra, **config_fields)``: a backend built by SGLang's dynamic
+    factory for ``host`` and registered with it, as the cache controller does; all closed
+    after the test."""
+    made: list[NopecacheStorage] = []
+
+    def make(host: Any, extra: dict[str, Any], **fields: Any) -> NopecacheStorage:
+        config = storage_config(extra, layout=host.layout, **fields)
+        backend = StorageBackendFactory.create_backend("dynamic", config, host)
+        assert isinstance(backend, NopecacheStorage)
+        backend.register_mem_pool_host(host)
+        made.append(backend)
+        return backend
+
+    yield make
+    for b in made:
+        b.close()
