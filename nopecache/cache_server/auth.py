@@ -43,10 +43,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import inspect
 import logging
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,13 @@ from typing import Any
 import grpc
 
 from nopecache.cache_server.config import ConfigError, ServerConfig
+from nopecache.cache_server.interception import (
+    Handler,
+    WrappingInterceptor,
+    behavior,
+    guarded,
+    like,
+)
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.sizes import SizeError, parse_size
 from nopecache.cache_server.tenants import (
@@ -74,6 +80,7 @@ __all__ = [
     "bearer_token",
     "load_token_table",
     "parse_token_lines",
+    "tenant_of",
 ]
 
 MIN_TOKEN_CHARS = 16
@@ -269,6 +276,19 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | Au
     return token
 
 
+def tenant_of(
+    tokens: TokenTable, metadata: Sequence[tuple[str, str | bytes]] | None
+) -> Tenant | AuthFailure:
+    """The tenant named by the bearer token in a call's ``metadata``, or why none is."""
+    token = bearer_token(metadata)
+    if isinstance(token, AuthFailure):
+        return token
+    tenant = tokens.match(token)
+    if tenant is None:
+        return AuthFailure("invalid", "authorization: invalid token")
+    return tenant
+
+
 UNCOUNTED_METHODS = frozenset({"WatchRemovals"})
 """Streams open for a client's whole life (a watch): authenticated and tagged with the
 tenant, but not counted in flight: counted, one would hold a stream slot for good and keep
@@ -307,11 +327,7 @@ class ClientLimiter:
         return self._in_flight.get(client, 0)
 
 
-Handler = grpc.RpcMethodHandler
-Behavior = Callable[..., Any]
-
-
-class RequestGate(grpc.aio.ServerInterceptor):
+class RequestGate(WrappingInterceptor):
     """Authenticates, limits and tags each call of one service (see the module docstring)."""
 
     def __init__(
@@ -323,7 +339,7 @@ class RequestGate(grpc.aio.ServerInterceptor):
         max_streams_per_client: int,
         metrics: ServerMetrics,
     ) -> None:
-        self._prefix = f"/{service_name}/"
+        self.covers = f"/{service_name}/"
         self._tokens = tokens
         self._anonymous = anonymous
         self.limiter = ClientLimiter(max_streams_per_client)
@@ -341,27 +357,14 @@ class RequestGate(grpc.aio.ServerInterceptor):
         """The tenants calls can be tagged with."""
         return self._tokens.tenants if self._tokens is not None else (self._anonymous,)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        details: grpc.HandlerCallDetails,
-    ) -> Handler:
+    def wrap(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
         """The handler that serves this call: the real one wrapped, or one that refuses."""
-        handler = await continuation(details)
-        # None: no such method (gRPC answers UNIMPLEMENTED); the stubs do not say so.
-        if handler is None or not details.method.startswith(self._prefix):
-            return handler
-        method = details.method[len(self._prefix) :]
+        method = details.method[len(self.covers) :]
         if self._tokens is None:
             return self._admitting(handler, method, self.current(self._anonymous))
-        token = bearer_token(details.invocation_metadata)
-        if isinstance(token, AuthFailure):
-            return self._refusing(handler, method, token)
-        tenant = self._tokens.match(token)
-        if tenant is None:
-            return self._refusing(
-                handler, method, AuthFailure("invalid", "authorization: invalid token")
-            )
+        tenant = tenant_of(self._tokens, details.invocation_metadata)
+        if isinstance(tenant, AuthFailure):
+            return self._refusing(handler, method, tenant)
         return self._admitting(handler, method, self.current(tenant))
 
     def _refusing(self, handler: Handler, method: str, failure: AuthFailure) -> Handler:
@@ -379,7 +382,7 @@ class RequestGate(grpc.aio.ServerInterceptor):
             yield b""  # never reached: abort raises; the yield makes this a stream handler
 
         # No deserializer: the request of a refused call is never parsed.
-        return _like(handler, refuse, refuse_stream, deserializer=None)
+        return like(handler, refuse, refuse_stream, deserializer=None)
 
     def _admitting(self, handler: Handler, method: str, tenant: Tenant) -> Handler:
         limiter, metrics = self.limiter, self._metrics
@@ -399,51 +402,15 @@ class RequestGate(grpc.aio.ServerInterceptor):
             metrics.tenant_request(tenant.name, method)
             return client
 
-        inner = _behavior(handler)
+        if method in UNCOUNTED_METHODS and handler.response_streaming:
+            inner = behavior(handler)
 
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            client = await enter(context)
-            try:
-                return await inner(request, context)
-            finally:
-                limiter.release(client)
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if method in UNCOUNTED_METHODS:
+            async def uncounted(
+                request: Any, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
                 CURRENT_TENANT.set(tenant)
                 async for message in inner(request, context):
                     yield message
-                return
-            client = await enter(context)
-            try:
-                messages = inner(request, context)
-                if inspect.isawaitable(messages):  # a handler that writes with context.write
-                    await messages
-                    return
-                async for message in messages:
-                    yield message
-            finally:
-                limiter.release(client)
 
-        return _like(handler, unary, stream, deserializer=handler.request_deserializer)
-
-
-def _behavior(handler: Handler) -> Behavior:
-    """The servicer function of a handler, whatever its streaming kind."""
-    fn = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
-    assert fn is not None, "an RPC method handler without a behavior"
-    return fn
-
-
-def _like(handler: Handler, unary: Behavior, stream: Behavior, *, deserializer: Any) -> Handler:
-    """A handler of the same streaming kind as ``handler`` running ``unary``/``stream``."""
-    serializer = handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(stream, deserializer, serializer)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, deserializer, serializer)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(stream, deserializer, serializer)
-    return grpc.unary_unary_rpc_method_handler(unary, deserializer, serializer)
+            return like(handler, uncounted, uncounted, deserializer=handler.request_deserializer)
+        return guarded(handler, enter, limiter.release)

@@ -34,15 +34,14 @@ Concurrency: the interceptor and its counters are used from the event loop only.
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from nopecache.cache_server.auth import AuthFailure, TokenTable, bearer_token
+from nopecache.cache_server.auth import AuthFailure, TokenTable, tenant_of
+from nopecache.cache_server.interception import Handler, WrappingInterceptor, guarded
 from nopecache.cache_server.metrics import ServerMetrics
 
 __all__ = [
@@ -58,9 +57,6 @@ __all__ = [
 PROBE_SHARE = 8
 
 log = logging.getLogger(__name__)
-
-Handler = grpc.RpcMethodHandler
-Behavior = Callable[..., Any]
 
 
 def peer_address(peer: str) -> str:
@@ -89,7 +85,7 @@ class Principal:
     probe: bool
 
 
-class CallLimiter(grpc.aio.ServerInterceptor):
+class CallLimiter(WrappingInterceptor):
     """Admits each call by its principal's share (see the module docstring)."""
 
     def __init__(
@@ -120,11 +116,9 @@ class CallLimiter(grpc.aio.ServerInterceptor):
     def principal(self, method: str, metadata: Any, peer: str) -> Principal:
         """Whom a call of ``method`` from ``peer`` with ``metadata`` is counted against."""
         if self._tokens is not None:
-            token = bearer_token(metadata)
-            if not isinstance(token, AuthFailure):
-                tenant = self._tokens.match(token)
-                if tenant is not None:
-                    return Principal(f"tenant:{tenant.name}", probe=False)
+            tenant = tenant_of(self._tokens, metadata)
+            if not isinstance(tenant, AuthFailure):
+                return Principal(f"tenant:{tenant.name}", probe=False)
         if method.startswith(self._prefix):
             # Without auth each connection is a client; with auth a call without a valid
             # token is refused by the gate at once, so it holds its slot for an instant.
@@ -171,18 +165,8 @@ class CallLimiter(grpc.aio.ServerInterceptor):
         self.total -= 1
         self.probes -= who.probe
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        details: grpc.HandlerCallDetails,
-    ) -> Handler:
+    def wrap(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
         """The handler of this call, wrapped to take and give back its principal's slot."""
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        return self._admitting(handler, details)
-
-    def _admitting(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
         method = details.method
 
         async def enter(context: grpc.aio.ServicerContext) -> Principal:
@@ -195,46 +179,4 @@ class CallLimiter(grpc.aio.ServerInterceptor):
             self._take(who)
             return who
 
-        inner = _behavior(handler)
-
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            who = await enter(context)
-            try:
-                return await inner(request, context)
-            finally:
-                self._give(who)
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            who = await enter(context)
-            try:
-                messages = inner(request, context)
-                if inspect.isawaitable(messages):  # a handler that writes with context.write
-                    await messages
-                    return
-                async for message in messages:
-                    yield message
-            finally:
-                self._give(who)
-
-        return _like(handler, unary, stream)
-
-
-def _behavior(handler: Handler) -> Behavior:
-    """The servicer function of a handler, whatever its streaming kind."""
-    fn = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
-    assert fn is not None, "an RPC method handler without a behavior"
-    return fn
-
-
-def _like(handler: Handler, unary: Behavior, stream: Behavior) -> Handler:
-    """A handler of the same kind and codecs as ``handler`` running ``unary``/``stream``."""
-    parse, serialize = handler.request_deserializer, handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(stream, parse, serialize)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, parse, serialize)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(stream, parse, serialize)
-    return grpc.unary_unary_rpc_method_handler(unary, parse, serialize)
+        return guarded(handler, enter, self._give)

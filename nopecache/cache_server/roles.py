@@ -31,10 +31,9 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -46,6 +45,7 @@ from nopecache.cache_server.auth import (
     bearer_token,
 )
 from nopecache.cache_server.config import ConfigError, ServerConfig
+from nopecache.cache_server.interception import Handler, WrappingInterceptor, guarded
 from nopecache.cache_server.tenants import Tenant
 
 __all__ = [
@@ -145,10 +145,7 @@ def load_admin_tokens(config: ServerConfig, tenants: TokenTable | None) -> Admin
     return table
 
 
-Handler = grpc.RpcMethodHandler
-
-
-class AdminGate(grpc.aio.ServerInterceptor):
+class AdminGate(WrappingInterceptor):
     """Authenticates Admin calls and tags them with a :class:`Principal`."""
 
     def __init__(
@@ -159,22 +156,15 @@ class AdminGate(grpc.aio.ServerInterceptor):
         current: Callable[[Tenant], Tenant],
     ) -> None:
         """``current`` maps a tenant to its state now (quota set at run time)."""
-        self._prefix = f"/{ADMIN_SERVICE_NAME}/"
+        self.covers = f"/{ADMIN_SERVICE_NAME}/"
         self._admins = admins
         self._tenants = tenants
         self._current = current
         # No token configured at all: every caller is the admin.
         self._open = admins is None and tenants is None
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        details: grpc.HandlerCallDetails,
-    ) -> Handler:
+    def wrap(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
         """The handler of this call: tagged with its principal, or one that refuses."""
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(self._prefix):
-            return handler
         if self._open:
             return _tagged(handler, Principal(admin=True))
         token = bearer_token(details.invocation_metadata)
@@ -189,16 +179,16 @@ class AdminGate(grpc.aio.ServerInterceptor):
 
 
 def _tagged(handler: Handler, principal: Principal) -> Handler:
-    fn: Any = handler.unary_unary
-    assert fn is not None, "every Admin RPC is unary"
+    assert handler.unary_unary is not None, "every Admin RPC is unary"
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def enter(context: grpc.aio.ServicerContext) -> None:
         CURRENT_PRINCIPAL.set(principal)
-        return await fn(request, context)
 
-    return grpc.unary_unary_rpc_method_handler(
-        unary, handler.request_deserializer, handler.response_serializer
-    )
+    return guarded(handler, enter, _hold_nothing)
+
+
+def _hold_nothing(held: None) -> None:
+    """Tagging takes no slot: nothing to give back."""
 
 
 def _refusing(handler: Handler, message: str) -> Handler:
