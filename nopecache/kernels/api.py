@@ -142,35 +142,16 @@ def rerope_scatter_layers(
     copy: off CUDA a bit-exact one; on CUDA a rotation by angle 0 (``cos = 1``,
     ``sin = 0`` exactly), which reproduces every finite value (a zero may change sign).
     """
+    args = (k_nope, v, positions, slot_mapping, k_caches, v_caches, spec)
     if _on_cuda(k_nope):
         from nopecache.kernels.triton_rope import rerope_scatter_layers_triton
 
         rerope_scatter_layers_triton(
-            k_nope,
-            v,
-            positions,
-            slot_mapping,
-            k_caches,
-            v_caches,
-            spec,
-            from_positions=from_positions,
-            check_values=check_values,
+            *args, from_positions=from_positions, check_values=check_values
         )
         return
-    validate_scatter_layers(
-        k_nope,
-        v,
-        positions,
-        slot_mapping,
-        k_caches,
-        v_caches,
-        spec,
-        from_positions=from_positions,
-        allow_strided=True,
-    )
-    reference.rerope_scatter_layers_reference(
-        k_nope, v, positions, slot_mapping, k_caches, v_caches, spec, from_positions=from_positions
-    )
+    validate_scatter_layers(*args, from_positions=from_positions, allow_strided=True)
+    reference.rerope_scatter_layers_reference(*args, from_positions=from_positions)
 
 
 # --------------------------------------------------------------------------- validation
