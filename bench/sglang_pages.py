@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.sglang_cpu import prepare_sglang_import
+from tests.support.sglang_pools import cpu_device_pool, host_pool_over
 
 prepare_sglang_import()
 
@@ -42,7 +43,6 @@ from _harness import best_of, cache_server  # noqa: E402
 from dataplane import memcpy_seconds, tcp_seconds  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
@@ -68,21 +68,8 @@ _keys = itertools.count()
 
 def host_pool(device: MHATokenToKVPool, layout: str) -> MHATokenToKVPoolHost:
     """A real host pool twice the device pool's size, touched (no page faults timed)."""
-    info = device.get_device_pool_infos()[0].buffer_info
     # SGLang books host pools against free RAM minus a reserve; this names the budget.
-    with host_memory_budget_scope(1 << 40):
-        host = MHATokenToKVPoolHost(
-            info,
-            2.0,
-            0,
-            PAGE_SIZE,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=device.size,
-            start_layer=device.start_layer,
-            end_layer=device.end_layer,
-        )
+    host = host_pool_over(device, layout, page_size=PAGE_SIZE, budget_bytes=1 << 40)
     host.kv_buffer.view(torch.uint8).fill_(7)
     return host
 
@@ -166,15 +153,12 @@ def main() -> None:
     if args.quick:
         args.reps = 1
     layers, heads, dim = SHAPES[name]
-    device = MHATokenToKVPool(
-        size=(PAGES + 1) * PAGE_SIZE,
+    device = cpu_device_pool(
+        tokens=(PAGES + 1) * PAGE_SIZE,
         page_size=PAGE_SIZE,
-        dtype=torch.bfloat16,
-        head_num=heads,
+        layers=layers,
+        heads=heads,
         head_dim=dim,
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
     )
     nbytes = PAGES * PAGE_SIZE * layers * heads * dim * 2 * 2
     # Every rep stores PAGES fresh pages: room for all of them, both layouts.

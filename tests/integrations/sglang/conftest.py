@@ -19,14 +19,13 @@ from tests.support.sglang_cpu import prepare_sglang_import
 prepare_sglang_import()
 pytest.importorskip("sglang", reason="the SGLang tests run in .venv-sglang (make test does)")
 
-import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from nopecache.integrations.sglang.backend import NopecacheStorage  # noqa: E402
+from tests.support.sglang_pools import cpu_device_pool, host_pool_over  # noqa: E402
 
 MODEL = "tiny-sglang-test"
 PAGE_SIZE = 4
@@ -34,9 +33,8 @@ LAYERS = 3
 HEADS = 2
 HEAD_DIM = 8
 DEVICE_TOKENS = 64  # the host pool holds twice that: 33 pages of 4 tokens
-# SGLang sizes a host pool against the machine's free RAM minus a reserve of several GiB,
-# which on a shared machine can be below zero. Its own scope books pools against a given
-# budget instead: these pools need a few KiB, the budget is far above that.
+# The budget SGLang books the host pools against (see host_pool_over): these pools need a
+# few KiB, the budget is far above that.
 HOST_BUDGET_BYTES = 1 << 30
 
 HostFactory = Callable[[str], Any]
@@ -79,15 +77,8 @@ def storage_config(
 @pytest.fixture(scope="session")
 def device_pool() -> MHATokenToKVPool:
     """One real device KV pool on the CPU (bf16, 3 layers, 2 heads of 8)."""
-    return MHATokenToKVPool(
-        size=DEVICE_TOKENS,
-        page_size=PAGE_SIZE,
-        dtype=torch.bfloat16,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
+    return cpu_device_pool(
+        tokens=DEVICE_TOKENS, page_size=PAGE_SIZE, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM
     )
 
 
@@ -96,20 +87,9 @@ def host_pool(device_pool: MHATokenToKVPool) -> HostFactory:
     """``host_pool(layout)``: a new real host pool over the device pool, zeroed."""
 
     def make(layout: str) -> MHATokenToKVPoolHost:
-        info = device_pool.get_device_pool_infos()[0].buffer_info
-        with host_memory_budget_scope(HOST_BUDGET_BYTES):
-            host = MHATokenToKVPoolHost(
-                info,
-                2.0,
-                0,
-                PAGE_SIZE,
-                layout,
-                pin_memory=False,
-                device="cpu",
-                device_capacity_tokens=device_pool.size,
-                start_layer=device_pool.start_layer,
-                end_layer=device_pool.end_layer,
-            )
+        host = host_pool_over(
+            device_pool, layout, page_size=PAGE_SIZE, budget_bytes=HOST_BUDGET_BYTES
+        )
         host.kv_buffer.zero_()
         return host
 
