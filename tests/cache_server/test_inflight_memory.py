@@ -96,9 +96,12 @@ async def test_stalled_puts_of_big_blocks_grow_rss_by_about_the_budget(
     # It may hold the budget (plus its 1/16 overdraft) and what the transport buffers
     # around it: each waiting stream's HTTP/2 window (64 KiB) and the receive slices and
     # allocator slack of the frames being read, measured at +15..18 MiB over this 64 MiB
-    # budget (1.23-1.28x). That part does not grow with the bytes offered; the 1.1x
-    # target of issue 25 is checked at the bench's scale (bench/load.py, 512 MiB).
-    bound = 1.5 * BUDGET
+    # budget (1.23-1.28x) on one run and +40 MiB (1.63x) in a CI run: glibc's arenas and
+    # gRPC's receive slices depend on which threads ran the reads. That part does not grow
+    # with the bytes offered, so the bound is 2x the budget, far under the +385 MiB this
+    # guards against; the 1.1x target of issue 25 is checked at the bench's scale
+    # (bench/load.py, 512 MiB).
+    bound = 2 * BUDGET
     assert grown <= bound, f"RSS grew {grown / MiB:.0f} MiB for a {BUDGET / MiB:.0f} MiB budget"
 
 
