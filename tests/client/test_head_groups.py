@@ -9,7 +9,9 @@ from nopecache.client import (
     ChunkSpan,
     FixedChunker,
     InvalidArgumentError,
+    KeyedChunk,
     ModelFingerprint,
+    ReusePlan,
     content_chunks,
     plan_reuse,
     prefix_chunks,
@@ -75,12 +77,12 @@ def test_a_rekeyed_plan_is_the_plan_keyed_under_the_group() -> None:
     g0, g1 = FP.head_group(0, 2), FP.head_group(2, 2)
     spans = FixedChunker(16).split(tokens)
 
-    def keyed(fp: ModelFingerprint) -> tuple[list, list]:  # type: ignore[type-arg]
+    def keyed(fp: ModelFingerprint) -> tuple[list[KeyedChunk], list[KeyedChunk]]:
         pre = prefix_chunks(fp, "ns", tokens, spans[:2])
         pi = content_chunks(pi_fingerprint(fp), "ns", tokens, [ChunkSpan(40, 56)])
         return pre, pi
 
-    def plan(fp: ModelFingerprint):  # type: ignore[no-untyped-def]
+    def plan(fp: ModelFingerprint) -> ReusePlan:
         pre, pi = keyed(fp)
         found = {c.key: StoredForm.ROPE for c in pre} | {c.key: StoredForm.NOPE for c in pi}
         return plan_reuse(64, pre, pi, found)
