@@ -150,3 +150,11 @@ def test_tp1_without_groups_keeps_the_whole_head_keys() -> None:
     model: ModelIdentity = _identity()
     assert model.lookup_fingerprint == model.fingerprint
     assert [g.num_heads for g in model.head_groups(0)] == [HEADS]
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "2", 1.5])
+def test_a_bad_kv_head_group_stops_start_up_naming_the_key(value: object) -> None:
+    with pytest.raises(ConnectorConfigError, match=r"\['kv_head_group'\]: must be a number"):
+        ConnectorConfig.from_extra_config(
+            {"url": "nopecache://127.0.0.1:1", "kv_head_group": value}
+        )
