@@ -93,3 +93,20 @@ def test_a_rekeyed_plan_is_the_plan_keyed_under_the_group() -> None:
     assert rekey_plan(p0, tokens, g0, "ns") == p0
     with pytest.raises(InvalidArgumentError, match="tokens"):
         rekey_plan(p0, tokens[:10], g1, "ns")
+
+
+def test_a_hit_trimmed_by_the_prefix_is_rekeyed_from_its_whole_chunk() -> None:
+    tokens = np.arange(200, 264, dtype=np.uint32)
+    g0, g1 = FP.head_group(0, 1), FP.head_group(1, 1)
+    spans = FixedChunker(16).split(tokens)[:2]
+
+    def plan(fp: ModelFingerprint) -> ReusePlan:
+        pre = prefix_chunks(fp, "", tokens, spans)
+        pi = content_chunks(pi_fingerprint(fp), "", tokens, [ChunkSpan(24, 48)])
+        found = {c.key: StoredForm.ROPE for c in pre} | {pi[0].key: StoredForm.NOPE}
+        return plan_reuse(64, pre, pi, found)
+
+    p0 = plan(g0)
+    (hit,) = p0.hits
+    assert (hit.target, hit.source) == (ChunkSpan(32, 48), ChunkSpan(8, 24))
+    assert rekey_plan(p0, tokens, g1, "") == plan(g1)
