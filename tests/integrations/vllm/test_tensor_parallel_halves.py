@@ -21,6 +21,7 @@ import torch
 from nopecache.client import CacheClient, ModelFingerprint
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
 from nopecache.integrations.vllm.errors import ConnectorConfigError
+from nopecache.integrations.vllm.metadata import StepReport
 from nopecache.integrations.vllm.scheduler import SchedulerSide
 from nopecache.integrations.vllm.worker import WorkerSide
 from tests.support.server_procs import CacheServerProc
@@ -158,3 +159,12 @@ def test_a_bad_kv_head_group_stops_start_up_naming_the_key(value: object) -> Non
         ConnectorConfig.from_extra_config(
             {"url": "nopecache://127.0.0.1:1", "kv_head_group": value}
         )
+
+
+def test_ranks_of_one_step_fetch_side_by_side() -> None:
+    rank0 = StepReport(fetched_bytes=100, fetch_seconds=1.0, forward_seconds=3.0)
+    rank1 = StepReport(fetched_bytes=100, fetch_seconds=2.0, forward_seconds=2.0)
+    step = rank0.add(rank1, same_step=True)
+    assert (step.fetched_bytes, step.fetch_seconds, step.forward_seconds) == (200, 2.0, 3.0)
+    later = rank0.add(rank1)  # successive steps: times add up
+    assert (later.fetch_seconds, later.forward_seconds) == (3.0, 5.0)
