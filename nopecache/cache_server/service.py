@@ -430,11 +430,12 @@ class KVCacheService:
         codes = self._codes
         counts, runs = pack_runs(grant.runs)
         return pb.LeaseGetReply(
-            lease=grant.lease,
+            leases=b"".join(grant.leases),
             ttl_ms=int(self.zero_copy.ttl_s * 1000),
             tiers=bytes(codes[t] if t is not None else 0 for t in grant.tiers),
             run_counts=counts,
             runs=runs,
+            tried=grant.tried,
         )
 
     async def ReleaseLeases(

@@ -26,8 +26,7 @@ only to the process that asked (SO_PEERCRED), so another process on the host tha
 learns a nonce, or connects to the (abstract, per network namespace) socket, gets
 nothing.
 
-Leases. A lease is the tier read leases of one LeaseGet's blocks, with an id and an
-expiry (``zero_copy_lease_ttl_s``): released by ReleaseLeases, or by its timer (a
+Leases. A lease is the tier read lease of one block, with an id and an expiry (``zero_copy_lease_ttl_s``): released by ReleaseLeases, or by its timer (a
 client that crashed never releases; its pages come back when the timer fires). While
 leased a block may be evicted or deleted (it leaves the index at once) but its pages stay
 out of the free stack (``PageTable.release``), so they are never rewritten under a reader.
@@ -86,21 +85,25 @@ class ArenaOffer:
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """What LeaseGet answers: the lease id (b"" when nothing was leased), per key the
-    tier name (None: not leased) and its (offset, length) runs in the pool."""
+    """What LeaseGet answers: per key its lease id (b"": not leased), the tier name (None:
+    not leased) and its (offset, length) runs in the pool; ``tried``: how many keys, from
+    the first, were tried before the share was reached."""
 
-    lease: bytes
+    leases: list[bytes]
     tiers: list[str | None]
     runs: list[list[tuple[int, int]]]
+    tried: int
 
 
 class _Lease:
-    __slots__ = ("held", "id", "tenant", "tier_leases", "timer")
+    """One block's client lease: its tier lease, the pool bytes it counts, its timer."""
 
-    def __init__(self, lid: bytes, tenant: str, leases: list[TierLease], held: int) -> None:
+    __slots__ = ("held", "id", "tenant", "tier_lease", "timer")
+
+    def __init__(self, lid: bytes, tenant: str, tier_lease: TierLease, held: int) -> None:
         self.id = lid
         self.tenant = tenant
-        self.tier_leases = leases
+        self.tier_lease = tier_lease
         self.held = held
         self.timer: asyncio.TimerHandle | None = None
 
@@ -229,8 +232,9 @@ class ZeroCopy:
 
     # -- leases --------------------------------------------------------------------------
     def grant(self, tenant: str, arena: bytes, keys: Sequence[bytes]) -> Grant:
-        """Lease the blocks of ``keys`` (stored keys) where the pool holds them, up to the
-        share. Raises Refusal (STALE_SESSION) unless ``arena`` is this pool of ``tenant``."""
+        """Lease each block of ``keys`` (stored keys) the pool holds, in order, until the
+        share is reached. Raises Refusal (STALE_SESSION) unless ``arena`` is this pool and
+        ``tenant`` its owner."""
         tier = self._tier
         if tier is None or tenant != self.owner or not hmac.compare_digest(arena, self.arena):
             raise Refusal(
@@ -241,36 +245,30 @@ class ZeroCopy:
             )
         page = tier.page_bytes
         limit = self.limit_bytes
+        loop = asyncio.get_running_loop()
+        ids: list[bytes] = []
         tiers: list[str | None] = []
         runs: list[list[tuple[int, int]]] = []
-        held: list[TierLease] = []
-        held_bytes = 0
-        full = False
         for key in keys:
-            lent = None if full else self._store.lease(key)
+            lent = self._store.lease(key)
             if lent is None:
+                ids.append(b"")
                 tiers.append(None)
                 runs.append([])
                 continue
             tier_lease, name = lent
             cost = -(-tier_lease.size // page) * page
-            if self.held_bytes + held_bytes + cost > limit:
+            if self.held_bytes + cost > limit:
                 tier_lease.release()
-                full = True  # the rest of this call takes the copying paths
-                tiers.append(None)
-                runs.append([])
-                continue
-            held.append(tier_lease)
-            held_bytes += cost
+                break  # the share is full: the rest are not tried
+            lease = _Lease(secrets.token_bytes(LEASE_ID_BYTES), tenant, tier_lease, cost)
+            lease.timer = loop.call_later(self.ttl_s, self._expire, lease.id)
+            self._leases[lease.id] = lease
+            self.held_bytes += cost
+            ids.append(lease.id)
             tiers.append(name)
             runs.append(_byte_runs(tier_lease, page))
-        if not held:
-            return Grant(b"", tiers, runs)
-        lease = _Lease(secrets.token_bytes(LEASE_ID_BYTES), tenant, held, held_bytes)
-        lease.timer = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, lease.id)
-        self._leases[lease.id] = lease
-        self.held_bytes += held_bytes
-        return Grant(lease.id, tiers, runs)
+        return Grant(ids, tiers, runs, len(ids))
 
     def release(self, tenant: str, ids: Sequence[bytes]) -> int:
         """End ``tenant``'s leases among ``ids``; how many were held."""
@@ -293,8 +291,7 @@ class ZeroCopy:
         if lease.timer is not None:
             lease.timer.cancel()
         self.held_bytes -= lease.held
-        for tier_lease in lease.tier_leases:
-            tier_lease.release()
+        lease.tier_lease.release()
 
     async def close(self) -> None:
         """End every lease, stop serving the socket (server shutdown)."""

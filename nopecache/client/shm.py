@@ -699,7 +699,11 @@ class ShmFastPath:
         if not self.zero_copy:
             return source
         zero = ZeroCopySource(
-            conn, source, count=self._count_leased, cuda_register=self.cuda_register
+            conn,
+            source,
+            count=self._count_leased,
+            cuda_register=self.cuda_register,
+            space_wait_s=self.space_wait_s,
         )
         self.zero_copy_sources.append(zero)
         return zero

@@ -13,9 +13,13 @@ re-RoPE scatter) reads the tier's own pages: one copy in all, into the paged cac
     not leased                  the copying paths (``fallback``: the shm segment, the bulk
                                 stream, gRPC), in key order with the rest
 
-Lease lifetime. Every view holds its lease (a finalizer per view); when the stream is
-over and the last view is gone (the block was placed), the lease id is queued and sent
-with ReleaseLeases, batched, off the fetch's path. The server ends a lease by itself
+Lease lifetime. Every leased block has its own lease, held by its view (a finalizer):
+once the view is gone (the block was placed) the lease id is queued and sent with
+ReleaseLeases, batched, off the fetch's path. The server leases a call's keys in order
+until its share (``zero_copy_share``) is held and says how many it tried; the rest are
+asked for again as soon as some of ours are released (placement frees them block by
+block), or, when none comes within ``space_wait_s``, fetched by the fallback. The server
+ends a lease by itself
 ``ttl`` after granting it (a crashed client's pages come back); a view is yielded only
 while more than ``_MARGIN`` of that is left, so a block is verified and placed long
 before its pages may be reused (placing takes milliseconds, the TTL is 30 s by default).
@@ -147,17 +151,6 @@ class Arena:
             self.mm.close()
 
 
-class _Held:
-    """One lease on the client: released once the stream is over and no view lives."""
-
-    __slots__ = ("deadline", "id", "refs")
-
-    def __init__(self, lid: bytes, deadline: float) -> None:
-        self.id = lid
-        self.deadline = deadline
-        self.refs = 1  # the stream; +1 per live view
-
-
 class ZeroCopySource:
     """The BlockSource of one same-host connection: leased views of the mapped pool, the
     ``fallback`` source for whatever is not leased (module docstring)."""
@@ -169,9 +162,11 @@ class ZeroCopySource:
         *,
         count: Callable[[bool, int], None] = lambda leased, nbytes: None,
         cuda_register: bool | None = None,
+        space_wait_s: float = 2.0,
     ) -> None:
         """A source for ``conn``; ``count(leased, nbytes)`` hears every block yielded;
-        ``cuda_register`` page-locks the mapping for CUDA (None: when torch sees a GPU)."""
+        ``cuda_register`` page-locks the mapping for CUDA (None: when torch sees a GPU);
+        past the server's share, wait up to ``space_wait_s`` for our leases to end."""
         self._conn = conn
         self._fallback = fallback
         self._count = count
@@ -183,9 +178,12 @@ class ZeroCopySource:
         self._open_lock: asyncio.Lock | None = None
         self._lock = threading.Lock()
         self._pending: list[bytes] = []
+        self._held = 0  # leases granted to us and not released yet
+        self._freed = asyncio.Event()
+        self._space_wait_s = space_wait_s
         self._flushing: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.released = 0  # leases released by this client (ReleaseLeases answered)
+        self.released = 0  # leases the server confirmed released
 
     @property
     def refused(self) -> bool:
@@ -261,14 +259,50 @@ class ZeroCopySource:
     async def __call__(
         self, keys: bytes, timeout: float
     ) -> AsyncIterator[tuple[int, memoryview | None]]:
-        """Stream the blocks of ``keys`` in order: leased views, the rest by the fallback."""
+        """Stream the blocks of ``keys`` in order: leased views, the rest by the fallback.
+
+        Leases come in rounds: the server leases keys in order until its share is held;
+        the rest are asked for again once blocks of ours were placed and released (within
+        ``space_wait_s``), else taken by the fallback."""
         n = len(keys) // KEY_BYTES
         deadline = time.monotonic() + timeout
         arena = await self._ready() if n else None
-        if arena is None:
-            async for item in self._through_fallback(keys, 0, n, deadline):
+        i = 0
+        while arena is not None and arena is self.arena and i < n:
+            reply = await self._lease(arena, keys[i * KEY_BYTES :], deadline)
+            if reply is None:
+                break
+            leased, runs, lease_deadline = reply
+            tried = len(leased)
+            at = 0
+            while at < tried:
+                if leased[at] and time.monotonic() < lease_deadline:
+                    view = self._view(arena, leased[at], runs[at])
+                    self._count(True, view.nbytes)
+                    yield i + at, view
+                    del view  # the consumer's reference is the one that holds the lease
+                    at += 1
+                    continue
+                if leased[at]:  # too close to its expiry to be placed from: released
+                    self._queue(leased[at])
+                end = at + 1  # the next keys the leases do not serve
+                while end < tried and not leased[end]:
+                    end += 1
+                async for item in self._through_fallback(keys, i + at, i + end, deadline):
+                    yield item
+                at = end
+            i += tried
+            if i < n and not await self._released_some(deadline):
+                break
+        if i < n:
+            async for item in self._through_fallback(keys, i, n, deadline):
                 yield item
-            return
+
+    async def _lease(
+        self, arena: Arena, keys: bytes, deadline: float
+    ) -> tuple[list[bytes], list[list[tuple[int, int]]], float] | None:
+        """One LeaseGet: each tried key's lease id (b"": not leased), runs, and the time
+        (local clock) until which the leases may be read from; None: use the fallback."""
         call = self._call("LeaseGet", pb.LeaseGetRequest, pb.LeaseGetReply)
         sent = time.monotonic()
         try:
@@ -284,66 +318,58 @@ class ZeroCopySource:
                 self._drop(arena)  # the server restarted: open it again later
             else:
                 self._refuse(f"LeaseGet failed: {e.code().name} {e.details()}")
-            async for item in self._through_fallback(keys, 0, n, deadline):
-                yield item
-            return
-        runs = self._check(reply, n, arena)
-        held = None
-        if reply.lease:
-            ttl = reply.ttl_ms / 1000
-            held = _Held(reply.lease, sent + ttl - min(_MARGIN_S, ttl / 4))
-        try:
-            i = 0
-            while i < n:
-                if held is not None and runs[i] and time.monotonic() < held.deadline:
-                    view = self._view(arena, held, runs[i])
-                    self._count(True, view.nbytes)
-                    yield i, view
-                    i += 1
-                    continue
-                j = i + 1  # the next run of keys the lease does not serve
-                while j < n and not (held is not None and runs[j]):
-                    j += 1
-                async for item in self._through_fallback(keys, i, j, deadline):
-                    yield item
-                i = j
-        finally:
-            if held is not None:
-                self._unref(held)
+            return None
+        leased, runs = self._check(reply, len(keys) // KEY_BYTES, arena)
+        with self._lock:
+            self._held += sum(1 for lid in leased if lid)
+        ttl = reply.ttl_ms / 1000
+        return leased, runs, sent + ttl - min(_MARGIN_S, ttl / 4)
 
-    def _check(self, reply: pb.LeaseGetReply, n: int, arena: Arena) -> list[list[tuple[int, int]]]:
-        if len(reply.tiers) != n:
-            raise TransportError(f"LeaseGetReply.tiers: {len(reply.tiers)} codes for {n} keys")
+    def _check(
+        self, reply: pb.LeaseGetReply, n: int, arena: Arena
+    ) -> tuple[list[bytes], list[list[tuple[int, int]]]]:
+        tried = reply.tried
+        if tried > n or len(reply.tiers) != tried:
+            raise TransportError(
+                f"LeaseGetReply.tiers/tried: {len(reply.tiers)} codes, {tried} tried, {n} keys"
+            )
         try:
-            runs = unpack_runs(reply.run_counts, reply.runs, n)
+            runs = unpack_runs(reply.run_counts, reply.runs, tried)
         except ValueError as e:
             raise TransportError(f"LeaseGetReply.{e}") from e
-        for code, key_runs in zip(reply.tiers, runs, strict=True):
-            if bool(code) != bool(key_runs) or (key_runs and len(reply.lease) != LEASE_ID_BYTES):
-                raise TransportError("LeaseGetReply: tier codes, runs and lease disagree")
+        codes = bytes(reply.tiers)
+        if len(reply.leases) != LEASE_ID_BYTES * sum(1 for c in codes if c):
+            raise TransportError("LeaseGetReply.leases: not one id per leased key")
+        ids = iter(
+            reply.leases[j : j + LEASE_ID_BYTES]
+            for j in range(0, len(reply.leases), LEASE_ID_BYTES)
+        )
+        leased = []
+        for code, key_runs in zip(codes, runs, strict=True):
+            if bool(code) != bool(key_runs):
+                raise TransportError("LeaseGetReply: tier codes and runs disagree")
             for offset, length in key_runs:
                 if length <= 0 or offset + length > arena.size:
                     raise TransportError(
                         f"LeaseGetReply.runs: [{offset}, {offset + length}) outside the pool "
                         f"of {arena.size} bytes"
                     )
-        return runs
+            leased.append(next(ids) if code else b"")
+        return leased, runs
 
-    def _view(self, arena: Arena, held: _Held, runs: list[tuple[int, int]]) -> memoryview:
-        """A read-only view of a leased block, holding the lease while it lives."""
-        if len(runs) == 1:
-            offset, length = runs[0]
-            arr = arena.array[offset : offset + length]
-        else:  # pages in several places: gathered (one copy more), then the lease is done
+    def _view(self, arena: Arena, lid: bytes, runs: list[tuple[int, int]]) -> memoryview:
+        """A read-only view of a leased block, holding its lease while it lives."""
+        if len(runs) > 1:  # pages in several places: gathered (one copy more), released
             out = self._conn.pool.take(sum(length for _, length in runs))
             at = 0
             for offset, length in runs:
                 out[at : at + length] = arena.mm[offset : offset + length]
                 at += length
+            self._queue(lid)
             return out
-        with self._lock:
-            held.refs += 1
-        weakref.finalize(arr, self._unref, held)
+        offset, length = runs[0]
+        arr = arena.array[offset : offset + length]
+        weakref.finalize(arr, self._queue, lid)
         return arr.data
 
     async def _through_fallback(
@@ -360,14 +386,30 @@ class ZeroCopySource:
         finally:
             await it.aclose()  # type: ignore[attr-defined]  # an async generator
 
+    async def _released_some(self, deadline: float) -> bool:
+        """Wait (up to ``space_wait_s``) until a lease of ours is released: whether one
+        was (False at once when we hold none: others hold the share)."""
+        limit = min(deadline, time.monotonic() + self._space_wait_s)
+        while True:
+            with self._lock:
+                held = self._held
+            if not held:
+                return False
+            self._freed.clear()
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._freed.wait(), remaining)
+                return True
+            except TimeoutError:
+                return False
+
     # -- releases -----------------------------------------------------------------------
-    def _unref(self, held: _Held) -> None:
-        """Drop one hold of ``held`` (any thread); the last one queues its release."""
+    def _queue(self, lid: bytes) -> None:
+        """Queue the release of lease ``lid`` (any thread: a view died after placement)."""
         with self._lock:
-            held.refs -= 1
-            if held.refs:
-                return
-            self._pending.append(held.id)
+            self._pending.append(lid)
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: the TTL ends it
@@ -393,8 +435,11 @@ class ZeroCopySource:
             except grpc.aio.AioRpcError as e:
                 # Not fatal: the server ends them at their TTL.
                 log.debug("ReleaseLeases failed (%s): the leases expire", e.code().name)
-                return
+                reply = pb.ReleaseLeasesReply()
+            with self._lock:
+                self._held -= len(ids)
             self.released += reply.released
+            self._freed.set()
 
     async def settle(self) -> None:
         """Wait until every queued release is sent (tests, close)."""

@@ -1289,15 +1289,18 @@ Global___LeaseGetRequest: _TypeAlias = LeaseGetRequest  # noqa: Y015
 class LeaseGetReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    LEASE_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     RUN_COUNTS_FIELD_NUMBER: _builtins.int
     RUNS_FIELD_NUMBER: _builtins.int
-    lease: _builtins.bytes
-    """16 bytes naming the lease (empty when no key was leased)."""
+    TRIED_FIELD_NUMBER: _builtins.int
+    leases: _builtins.bytes
+    """Concatenated 16-byte lease ids, one per leased key, in key order: each block is
+    released on its own (ReleaseLeases) as soon as it is placed.
+    """
     ttl_ms: _builtins.int
-    """The lease ends this long after it was granted unless released before."""
+    """A lease ends this long after it was granted unless released before."""
     tiers: _builtins.bytes
     """One byte per key: c > 0 = leased, held by tier_names[c - 1]; 0 = not leased (a miss
     there, another tier, or the lease share is full): fetch it with Get.
@@ -1306,18 +1309,23 @@ class LeaseGetReply(_message.Message):
     """Little-endian uint32 per key: how many runs of `runs` are its bytes, in order."""
     runs: _builtins.bytes
     """Little-endian uint64 pairs (byte offset in the pool, length), every leased key's runs."""
+    tried: _builtins.int
+    """How many keys were tried, from the first: the rest were not, because leases held the
+    share (zero_copy_share). Ask for them again once leases are released, or Get them.
+    """
     def __init__(
         self,
         *,
-        lease: _builtins.bytes = ...,
+        leases: _builtins.bytes = ...,
         ttl_ms: _builtins.int = ...,
         tiers: _builtins.bytes = ...,
         run_counts: _builtins.bytes = ...,
         runs: _builtins.bytes = ...,
+        tried: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "run_counts", b"run_counts", "runs", b"runs", "tiers", b"tiers", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases", "run_counts", b"run_counts", "runs", b"runs", "tiers", b"tiers", "tried", b"tried", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
