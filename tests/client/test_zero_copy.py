@@ -194,10 +194,10 @@ async def test_leases_stay_within_their_share_and_the_rest_is_copied() -> None:
         # A consumer that lets go of each block once it has it (as placement does) gets
         # all twelve leased, in rounds of at most five held at once.
         most = 0
-        async for index, blob in conn.get(b"".join(keys)):
-            assert blob is not None and bytes(blob) == stored[index][1]
+        async for index, view in conn.get(b"".join(keys)):
+            assert view is not None and bytes(view) == stored[index][1]
             most = max(most, zero.leases)
-            del blob
+            del view
         assert most <= 5
         assert (fast.stats().leased_blocks, fast.stats().copied_blocks) == (17, 19)
         await wait_until(lambda: zero.leases == 0, timeout_s=30)
