@@ -334,6 +334,12 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: small cases of both shapes, one pass"
     )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max(SIZES),
+        help="skip the cases above this many tokens (a full run needs ~10 GiB of memory)",
+    )
     parser.add_argument("--cold-child", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold_child:
@@ -344,6 +350,9 @@ def main() -> None:
     if args.quick:
         args.reps = 1
         sizes = dict(QUICK_SIZES)
+    if args.max_tokens < min(min(v) for v in sizes.values()):
+        parser.error(f"--max-tokens: {args.max_tokens} leaves no case")
+    sizes = {name: tuple(n for n in ns if n <= args.max_tokens) for name, ns in sizes.items()}
     cases = [(m, n) for m in models for n in sizes[m.name]]
     largest = max(m.layers * m.heads * m.dim * 2 * 2 * n for m, n in cases)
     largest_block = max(m.layers * m.heads * m.dim * 2 * 2 * PREFIX_BLOCK for m, _ in cases)
@@ -400,10 +409,14 @@ def main() -> None:
     grpc_vs_tcp = geomean([r["grpc"] / r["tcp"] for r in all_rows])
     put_vs_tcp = geomean([r["put"] / r["tcp"] for r in all_rows])
     samehost_vs_memcpy = geomean([r["samehost"] / r["memcpy"] for r in all_rows])
-    scaling = min(
-        rows[m.name, sizes[m.name][-1]]["net"] / rows[m.name, sizes[m.name][-2]]["net"]
-        for m in models
-        if len(sizes[m.name]) > 1
+    scaling = (
+        min(
+            rows[m.name, sizes[m.name][-1]]["net"] / rows[m.name, sizes[m.name][-2]]["net"]
+            for m in models
+            if len(sizes[m.name]) > 1
+        )
+        if any(len(v) > 1 for v in sizes.values())
+        else math.nan
     )
     be_same = geomean([breakeven(r["samehost"]) for r in llama])
     be_net = geomean([breakeven(r["net"]) for r in llama])
