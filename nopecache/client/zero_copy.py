@@ -52,6 +52,7 @@ import grpc
 import grpc.aio
 import numpy as np
 
+from nopecache.client import pinned
 from nopecache.client.errors import ArenaRefusedError, TransportError
 from nopecache.client.transport import BlockSource, ServerConnection
 from nopecache.proto import cache_pb2 as pb
@@ -138,6 +139,7 @@ class Arena:
             log.info("cudaHostRegister of the pool mapping failed (error %d): pageable", code)
             return False
         self.cuda_registered = True
+        pinned.add(ptr, self.size)
         return True
 
     def close(self) -> None:
@@ -145,6 +147,7 @@ class Arena:
         if self.cuda_registered:
             import torch
 
+            pinned.remove(self.array.ctypes.data)
             torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
             self.cuda_registered = False
         with contextlib.suppress(BufferError):

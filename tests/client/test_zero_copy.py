@@ -332,3 +332,36 @@ def test_a_fetch_from_the_mapping_places_what_grpc_places(server: CacheServerPro
     stats = fast.stats()
     assert (stats.leased_blocks, stats.copied_blocks) == (12, 0)
     assert stats.leased_bytes > 12 * 2**20 and stats.shm_blocks == stats.grpc_blocks == 0
+
+
+# -- CUDA: the mapping page-locked, one DMA per tensor ---------------------------------------
+@pytest.mark.gpu
+def test_on_cuda_blocks_go_from_the_mapping_to_the_gpu_in_one_dma(server: CacheServerProc) -> None:
+    """The mapping is registered with cudaHostRegister, every K and V tensor of the fetch
+    is copied straight from it (no staging copy), and the cache holds what gRPC places."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device = torch.device("cuda")
+    pages = BIG_TOKENS // 16
+    table = torch.randperm(pages, generator=torch.Generator().manual_seed(3))
+    slots = (table[:, None] * 16 + torch.arange(16)).reshape(-1).to(device)
+    caches = []
+    fast = ShmFastPath("auto")
+    for fast_path, shm in ((None, "off"), (fast, "auto")):
+        shape = (pages, 16, HEADS, DIM)
+        k_caches = [torch.zeros(shape, device=device) for _ in range(LAYERS)]
+        v_caches = [torch.zeros(shape, device=device) for _ in range(LAYERS)]
+        with client(config(server, shm, zero_copy=True), fast_path) as c:
+            plan = c.lookup(BIG, allow_position_independent=False)
+            result = c.fetch(plan, BIG, into=PagedKV(k_caches, v_caches, slots))
+            assert result.ready is not None
+            result.ready.synchronize()
+            assert result.failed == () and result.placed_tokens == BIG_TOKENS
+            if fast_path is not None:
+                arena = fast.zero_copy_sources[0].arena
+                assert arena is not None and arena.cuda_registered
+                assert c.core._placer.staging.direct_copies == 2 * 12  # K and V per block
+        caches.append(k_caches + v_caches)
+    for a, b in zip(*caches, strict=True):
+        assert torch.equal(a, b)
+    assert fast.stats().leased_blocks == 12
