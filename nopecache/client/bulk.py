@@ -41,8 +41,9 @@ from google.protobuf.message import DecodeError
 from nopecache.client.buffers import BufferPool
 from nopecache.client.config import split_server
 from nopecache.client.errors import TransportError
-from nopecache.client.transport import ServerConnection
+from nopecache.client.transport import Blob, ServerConnection
 from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.block_parts import EncodedBlock
 from nopecache.proto.bulk import (
     BLOCK,
     ENTRY,
@@ -55,7 +56,6 @@ from nopecache.proto.bulk import (
     hello,
 )
 from nopecache.proto.contract import KEY_BYTES, method_path
-from nopecache.proto.frames import BytesLike
 from nopecache.proto.wire import WireError
 
 __all__ = ["RETRY_S", "BulkSource"]
@@ -67,7 +67,7 @@ _MAX_IDLE = 4
 # A PutReply holds a result (key, outcome, code, reason) per block: far below this.
 _MAX_REPLY_BYTES = 16 * 1024 * 1024
 # Buffers per sendmsg call (POSIX guarantees at least 16; Linux takes 1024).
-_IOV_MAX = 64
+_IOV_MAX = 512
 
 
 class BulkSource:
@@ -195,7 +195,7 @@ class BulkSource:
                 _discard(sock)
 
     async def put_blocks(
-        self, blobs: Sequence[tuple[bytes, BytesLike]], timeout: float
+        self, blobs: Sequence[tuple[bytes, Blob]], timeout: float
     ) -> pb.PutReply | None:
         """Store one Put stream's ``(key, blob)`` pairs over the bulk stream: the server's
         reply, or None when the stream is not available (the caller uses gRPC).
@@ -319,14 +319,16 @@ def _entry(sock: socket.socket, request: str, deadline: float) -> tuple[int, int
     return code, size
 
 
-def _put(
-    sock: socket.socket, blobs: Sequence[tuple[bytes, BytesLike]], deadline: float
-) -> pb.PutReply:
+def _put(sock: socket.socket, blobs: Sequence[tuple[bytes, Blob]], deadline: float) -> pb.PutReply:
     """Worker thread: send one PUT, then read its reply."""
     parts: list[memoryview] = [memoryview(encode_put(len(blobs)))]
     for key, blob in blobs:
-        view = memoryview(blob).cast("B")
-        parts += (memoryview(BLOCK.pack(view.nbytes, key)), view)
+        if isinstance(blob, EncodedBlock):  # sent from where its parts lie
+            parts.append(memoryview(BLOCK.pack(blob.nbytes, key)))
+            parts += blob.views()
+        else:
+            view = memoryview(blob).cast("B")
+            parts += (memoryview(BLOCK.pack(view.nbytes, key)), view)
     _send_parts(sock, parts, deadline)
     code, size = _entry(sock, "PUT", deadline)
     if code != PUT_REPLY_CODE:
