@@ -30,11 +30,13 @@ Concurrency: calls run on the connection's loop; sockets are used by one call at
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -60,12 +62,16 @@ from nopecache.proto.bulk import (
 from nopecache.proto.contract import KEY_BYTES, method_path
 from nopecache.proto.wire import WireError
 
-__all__ = ["RETRY_S", "BulkSource"]
+__all__ = ["RETRY_S", "RUN_BYTES", "BulkSource"]
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
 _MAX_IDLE = 4
+# A stream's worker thread receives blocks in runs of about this many bytes (one thread
+# hop per run, not per block; a block larger than it is a run of its own). Small enough
+# that placement starts soon after the first bytes arrive.
+RUN_BYTES = 4 * 1024 * 1024
 # A PutReply holds a result (key, outcome, code, reason) per block: far below this.
 _MAX_REPLY_BYTES = 16 * 1024 * 1024
 # Buffers per sendmsg call (POSIX guarantees at least 16; Linux takes 1024).
@@ -229,31 +235,45 @@ class BulkSource:
             )
             for s, (_, reused) in enumerate(held)
         ]
-        pending: list[asyncio.Future[memoryview | None] | None] = [None] * streams
+        # Per stream: blocks received and not yet yielded, and the run being received.
+        ready: list[collections.deque[memoryview | None]] = [
+            collections.deque() for _ in range(streams)
+        ]
+        pending: list[asyncio.Future[list[memoryview | None]] | None] = [None] * streams
         clean = False
+
+        def receive_run(s: int, index: int) -> None:
+            """Start receiving stream ``s``'s next run, from call key ``index`` on."""
+            pending[s] = asyncio.ensure_future(
+                asyncio.to_thread(
+                    _receive_run,
+                    socks[s],
+                    self._conn.pool,
+                    tiers,
+                    limit,
+                    range(index, n, streams),
+                    deadline,
+                )
+            )
+
         try:
             firsts = await asyncio.gather(*starts)
+            for s, blob in enumerate(firsts):
+                ready[s].append(blob)
+                if s + streams < n:
+                    receive_run(s, s + streams)
             for index in range(n):
-                s, j = index % streams, index // streams
-                if j == 0:
-                    blob = firsts[s]
-                else:
+                s = index % streams
+                if not ready[s]:
                     future = pending[s]
                     assert future is not None
-                    blob = await future
+                    run = await future
+                    ready[s].extend(run)
+                    after = index + len(run) * streams  # the stream's first key not in it
                     pending[s] = None
-                if index + streams < n:  # this stream's next block, received meanwhile
-                    pending[s] = asyncio.ensure_future(
-                        asyncio.to_thread(
-                            _receive,
-                            socks[s],
-                            self._conn.pool,
-                            tiers,
-                            limit,
-                            index + streams,
-                            deadline,
-                        )
-                    )
+                    if after < n:  # its next run arrives while this one is placed
+                        receive_run(s, after)
+                blob = ready[s].popleft()
                 if blob is not None:
                     self.bulk_blocks += 1
                 yield index, blob
@@ -266,7 +286,8 @@ class BulkSource:
                     self._idle.append(sock)
                 else:
                     _discard(sock)  # wakes a thread still receiving on it
-            for future in (*starts, *pending):
+            futures: list[asyncio.Future[Any] | None] = [*starts, *pending]
+            for future in futures:
                 if future is None:
                     continue
                 if future.done() and not future.cancelled():
@@ -420,6 +441,28 @@ def _put(sock: socket.socket, blobs: Sequence[tuple[bytes, Blob]], deadline: flo
         return pb.PutReply.FromString(bytes(data))
     except DecodeError as e:
         raise WireError(f"bulk PUT reply: not a PutReply: {e}") from e
+
+
+def _receive_run(
+    sock: socket.socket,
+    pool: BufferPool,
+    tiers: int,
+    limit: int,
+    indices: range,
+    deadline: float,
+) -> list[memoryview | None]:
+    """Worker thread: the next blocks of ``indices`` (call key indices, in stream order)
+    until ``RUN_BYTES`` are in (at least one block): one thread hop for a run of small
+    blocks instead of one each."""
+    run: list[memoryview | None] = []
+    got = 0
+    for index in indices:
+        blob = _receive(sock, pool, tiers, limit, index, deadline)
+        run.append(blob)
+        got += 0 if blob is None else blob.nbytes
+        if got >= RUN_BYTES:
+            break
+    return run
 
 
 def _receive(
