@@ -25,7 +25,7 @@ from nopecache.integrations.vllm.metadata import StepReport
 from nopecache.integrations.vllm.scheduler import SchedulerSide
 from nopecache.integrations.vllm.worker import WorkerSide
 from tests.support.server_procs import CacheServerProc
-from tests.support.vllm_halves import BS, DIM, HEADS, LAYERS, NB, _identity, _request
+from tests.support.vllm_halves import BS, DIM, HEADS, LAYERS, NB, _identity, _request, run_loads
 
 
 class _TPEngine:
@@ -93,7 +93,7 @@ class _TPEngine:
         reports = []
         for worker in self.workers:
             worker.begin_step()
-            worker.load(plan)
+            run_loads(worker, plan)
             worker.save(plan)
             reports.append(worker.take_report())
         for client in self.clients:
