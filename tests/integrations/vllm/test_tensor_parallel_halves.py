@@ -94,6 +94,16 @@ class _TPEngine:
         for worker in self.workers:
             worker.begin_step()
             worker.load(plan)
+            # Background loads (load_async, the default): vLLM holds the request's forward
+            # until every rank reports it; this only guards a hang (loopback takes ms).
+            waiting, deadline = (
+                {s.req_id for s in plan.loads if s.asynchronous},
+                time.monotonic() + 60,
+            )
+            while waiting:
+                assert time.monotonic() < deadline, f"loads of {sorted(waiting)} never finished"
+                waiting -= worker.finished_loads()
+                time.sleep(0.001)
             worker.save(plan)
             reports.append(worker.take_report())
         for client in self.clients:
