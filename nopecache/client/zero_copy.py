@@ -64,7 +64,7 @@ from nopecache.proto.arena_layout import (
 )
 from nopecache.proto.contract import KEY_BYTES, method_path
 
-__all__ = ["Arena", "ZeroCopySource", "receive_arena_fd"]
+__all__ = ["Arena", "ZeroCopySource", "lapsed", "receive_arena_fd"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,20 @@ def receive_arena_fd(socket_name: str, nonce: bytes, timeout: float = _HANDOFF_T
         raise ArenaRefusedError(
             rest.decode(errors="replace") or "the server closed the socket without an answer"
         )
+
+
+class _LeasedBytes(np.ndarray):
+    """The bytes of a leased block in the mapping, with the time (``time.monotonic``) until
+    which they may be read."""
+
+    lease_deadline: float = math.inf
+
+
+def lapsed(blob: memoryview) -> bool:
+    """Whether ``blob`` is a leased view whose lease may have ended: what was placed from
+    it must not be trusted (placement marks the hit failed; the engine recomputes it)."""
+    obj = blob.obj
+    return isinstance(obj, _LeasedBytes) and time.monotonic() >= obj.lease_deadline
 
 
 def _cuda_present() -> bool:
@@ -280,7 +294,7 @@ class ZeroCopySource:
             at = 0
             while at < tried:
                 if leased[at] and time.monotonic() < lease_deadline:
-                    view = self._view(arena, leased[at], runs[at])
+                    view = self._view(arena, leased[at], runs[at], lease_deadline)
                     self._count(True, view.nbytes)
                     yield i + at, view
                     del view  # the consumer's reference is the one that holds the lease
@@ -360,8 +374,11 @@ class ZeroCopySource:
             leased.append(next(ids) if code else b"")
         return leased, runs
 
-    def _view(self, arena: Arena, lid: bytes, runs: list[tuple[int, int]]) -> memoryview:
-        """A read-only view of a leased block, holding its lease while it lives."""
+    def _view(
+        self, arena: Arena, lid: bytes, runs: list[tuple[int, int]], deadline: float
+    ) -> memoryview:
+        """A read-only view of a leased block, holding its lease while it lives; it can be
+        read from until ``deadline`` (``lapsed``)."""
         if len(runs) > 1:  # pages in several places: gathered (one copy more), released
             out = self._conn.pool.take(sum(length for _, length in runs))
             at = 0
@@ -371,7 +388,8 @@ class ZeroCopySource:
             self._queue(lid)
             return out
         offset, length = runs[0]
-        arr = arena.array[offset : offset + length]
+        arr = arena.array[offset : offset + length].view(_LeasedBytes)
+        arr.lease_deadline = deadline
         weakref.finalize(arr, self._queue, lid)
         return arr.data
 

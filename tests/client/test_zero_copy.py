@@ -31,7 +31,7 @@ from nopecache.client.cost import CostConfig
 from nopecache.client.errors import ArenaRefusedError
 from nopecache.client.shm import ShmFastPath
 from nopecache.client.transport import ServerConnection
-from nopecache.client.zero_copy import receive_arena_fd
+from nopecache.client.zero_copy import lapsed, receive_arena_fd
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import validate
@@ -139,7 +139,7 @@ async def test_a_nonce_is_for_one_use_by_the_process_it_was_issued_to() -> None:
         offer = await stub.OpenArena(pb.OpenArenaRequest(pid=os.getpid()))
         code = textwrap.dedent(
             f"""
-            from nopecache.client.zero_copy import receive_arena_fd
+            from nopecache.client.zero_copy import lapsed, receive_arena_fd
             from nopecache.client.errors import ArenaRefusedError
             try:
                 receive_arena_fd({offer.socket!r}, {offer.nonce!r})
@@ -298,6 +298,28 @@ async def test_leased_blocks_keep_their_bytes_through_a_put_storm(zc: Harness) -
     await wait_until(lambda: zc.running.service.zero_copy.leases == 0, timeout_s=30)
     await fast.close()
     await conn.close()
+
+
+@pytest.mark.asyncio
+async def test_a_view_lapses_before_its_lease_ends_on_the_server() -> None:
+    """A view is trusted only until its lease's end minus a margin (a quarter of a 3 s
+    TTL): placement treats a lapsed view as failed, whatever its bytes."""
+    async with serving(replace(ZC, zero_copy_lease_ttl_s=3.0)) as h:
+        await put(h.stub, [block(1)], 60000)
+        fast = ShmFastPath("auto")
+        conn = connection(h.running.address, fast)
+        held = await blobs(conn, [key_of(1)])
+        view = held[0]
+        assert view is not None and fast.stats().leased_blocks == 1
+        assert not lapsed(view) and not lapsed(memoryview(block(1)[1]))
+        await wait_until(lambda: view is not None and lapsed(view), timeout_s=30)
+        # Lapsed on the client while the server still holds the lease (2.25 s < 3 s).
+        assert h.running.service.zero_copy.leases == 1
+        held.clear()
+        view = None
+        await wait_until(lambda: h.running.service.zero_copy.leases == 0, timeout_s=30)
+        await fast.close()
+        await conn.close()
 
 
 # -- end to end: the same placement as gRPC ---------------------------------------------------
