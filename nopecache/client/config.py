@@ -361,6 +361,9 @@ class ClientConfig:
     # Get and Put payloads over the server's bulk byte stream when it offers one (plaintext
     # servers; "off": always the gRPC streams). See client/bulk.py.
     bulk: BulkMode = "auto"
+    # Same-host zero copy (client/zero_copy.py): where shared memory is used and the server
+    # offers its pool, blocks are placed straight from a read-only mapping of it.
+    zero_copy: bool = True
     # Bulk connections one Get may use at once to one server (its keys dealt out in turn);
     # 1 to BULK_STREAMS_MAX. Where one TCP stream cannot fill the link (a long fat path).
     bulk_streams: int = 1
@@ -441,6 +444,10 @@ class ClientConfig:
             raise InvalidArgumentError("shm", f"must be one of {_SHM_MODES}, got {self.shm!r}")
         if self.bulk not in ("auto", "off"):
             raise InvalidArgumentError("bulk", f"must be 'auto' or 'off', got {self.bulk!r}")
+        if not isinstance(self.zero_copy, bool):
+            raise InvalidArgumentError(
+                "zero_copy", f"must be True or False, got {self.zero_copy!r}"
+            )
         _int_in("bulk_streams", self.bulk_streams, 1, BULK_STREAMS_MAX)
         _int_in("max_message_bytes", self.max_message_bytes, _MIN_MESSAGE_BYTES, _GRPC_MAX_MESSAGE)
         _int_in("store_queue_blocks", self.store_queue_blocks, 1, 1 << 20)
@@ -507,6 +514,9 @@ class ClientConfig:
             "DetachShm": self.control_timeout_s,
             "OpenBulk": self.control_timeout_s,
             "Stats": self.control_timeout_s,
+            "OpenArena": self.control_timeout_s,
+            "LeaseGet": self.get_timeout_s,
+            "ReleaseLeases": self.control_timeout_s,
         }
 
     def service_config(self, service: str = SERVICE) -> dict[str, Any]:
@@ -704,6 +714,7 @@ URL_PARAMS: dict[str, _Param] = {
     "connect_timeout": _Param("connect_timeout_s", _parse_duration),
     "shm": _Param("shm", _parse_text),
     "bulk": _Param("bulk", _parse_text),
+    "zero_copy": _Param("zero_copy", _parse_bool),
     "bulk_streams": _Param("bulk_streams", _parse_int),
     "max_message_bytes": _Param("max_message_bytes", _parse_size),
     "store_queue_blocks": _Param("store_queue_blocks", _parse_int),
