@@ -330,7 +330,9 @@ def _share(part: float, whole: float) -> float:
 
 
 def summary(results: list[ShapeResult]) -> dict[str, float]:
-    """The RESULT line's values (see the module docstring)."""
+    """The RESULT line's values (see the module docstring); NaN for a set not run."""
+    if not results:
+        return dict.fromkeys(RESULT_KEYS[:7], math.nan)
     prompt = sum(r.prompt_tokens for r in results)
     quality = Quality()
     for r in results:
@@ -353,20 +355,8 @@ def summary(results: list[ShapeResult]) -> dict[str, float]:
 
 def report_summary(results: list[ShapeResult]) -> dict[str, float]:
     """The RESULT line's ``report_*`` values: :func:`summary` over the report set."""
-    if not results:
-        return {
-            f"report_{k}": math.nan
-            for k in (
-                "blend_ttft_speedup",
-                "blend_recompute",
-                "blend_top1",
-                "blend_kl",
-                "blend_fact_kept",
-            )
-        }
     whole = summary(results)
-    keys = ("blend_ttft_speedup", "blend_recompute", "blend_top1", "blend_kl", "blend_fact_kept")
-    return {f"report_{k}": whole[k] for k in keys}
+    return {key: whole[key.removeprefix("report_")] for key in RESULT_KEYS[7:]}
 
 
 def print_kinds(results: list[ShapeResult]) -> None:
