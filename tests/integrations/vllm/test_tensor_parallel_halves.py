@@ -25,7 +25,7 @@ from nopecache.integrations.vllm.metadata import StepReport
 from nopecache.integrations.vllm.scheduler import SchedulerSide
 from nopecache.integrations.vllm.worker import WorkerSide
 from tests.support.server_procs import CacheServerProc
-from tests.support.vllm_halves import BS, DIM, HEADS, LAYERS, NB, _identity, _request
+from tests.support.vllm_halves import BS, DIM, HEADS, LAYERS, NB, _identity, _request, run_loads
 
 
 class _TPEngine:
@@ -93,17 +93,7 @@ class _TPEngine:
         reports = []
         for worker in self.workers:
             worker.begin_step()
-            worker.load(plan)
-            # Background loads (load_async, the default): vLLM holds the request's forward
-            # until every rank reports it; this only guards a hang (loopback takes ms).
-            waiting, deadline = (
-                {s.req_id for s in plan.loads if s.asynchronous},
-                time.monotonic() + 60,
-            )
-            while waiting:
-                assert time.monotonic() < deadline, f"loads of {sorted(waiting)} never finished"
-                waiting -= worker.finished_loads()
-                time.sleep(0.001)
+            run_loads(worker, plan)
             worker.save(plan)
             reports.append(worker.take_report())
         for client in self.clients:
