@@ -199,6 +199,7 @@ class SchedulerSide:
         # Blocks announced in KV events, and their withdrawals (events.py).
         self.announced = AnnouncedBlocks(clear_all=False) if announced is None else announced
         self._salted: dict[str, int] = {}  # request -> first block salted
+        self._failed_loads: set[str] = set()  # requests whose load failed: never reclaimed
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
         per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
@@ -211,6 +212,8 @@ class SchedulerSide:
         if self.client is None or not self.config.load:
             return 0
         req_id = compat.request_id(request)
+        if req_id in self._failed_loads:
+            return 0  # its load failed: vLLM recomputes it; claiming again would loop
         known = self._claims.get(req_id)
         if known is not None and known.start == num_computed_tokens:
             return known.end - known.start
@@ -417,6 +420,10 @@ class SchedulerSide:
             return
         self.totals.report = self.totals.report.add(report)
         self.rates.observe(report)
+        # A request whose load failed (on any rank) is asked again after vLLM reschedules
+        # it; the same claim would fail the same way (a block another rank lacks), so it
+        # runs uncached from then on.
+        self._failed_loads.update(report.failed_requests)
         if self.client is not None and report.computed_tokens and report.forward_seconds > 0:
             self.client.observe_prefill(report.computed_tokens, report.forward_seconds)
 
@@ -429,6 +436,7 @@ class SchedulerSide:
             self._tracked.pop(req_id, None)
             self._claims.pop(req_id, None)
             self._salted.pop(req_id, None)
+            self._failed_loads.discard(req_id)
 
     def take_counters(self) -> dict[str, int]:
         """The scheduler counters (SCHEDULER_COUNTERS) gained since the last call."""

@@ -168,3 +168,22 @@ def test_ranks_of_one_step_fetch_side_by_side() -> None:
     assert (step.fetched_bytes, step.fetch_seconds, step.forward_seconds) == (200, 2.0, 3.0)
     later = rank0.add(rank1)  # successive steps: times add up
     assert (later.fetch_seconds, later.forward_seconds) == (3.0, 5.0)
+
+
+def test_a_request_whose_load_failed_is_not_claimed_again(
+    engines: tuple[_TPEngine, _TPEngine],
+) -> None:
+    # vLLM asks again for a request whose background load failed (on any rank); the
+    # same claim would fail again (rank 1's blocks gone) and the request loop forever.
+    tp2, tp1 = engines
+    tp1.step(_request("a", TOKENS), [0, 1, 2, 3])
+    request = _request("b", TOKENS)
+    deadline = time.monotonic() + 60  # a hang guard; loopback lookups take ms
+    while (claimed := tp2.scheduler.matched_tokens(request, 0)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert claimed == CLAIM
+    tp2.scheduler.on_report(StepReport(load_errors=3, failed_requests=["b"]))
+    assert tp2.scheduler.matched_tokens(request, 0) == 0
+    tp2.scheduler.finished(["b"])  # a new request of that id may claim again
+    assert "b" not in tp2.scheduler._failed_loads
