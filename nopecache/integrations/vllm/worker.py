@@ -43,6 +43,7 @@ from nopecache.integrations.vllm.blend_loop import (
     find_model,
 )
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
+from nopecache.integrations.vllm.gate import Tokenize, calibrate
 from nopecache.integrations.vllm.layout import (
     CpuAttnLayout,
     KVLayout,
@@ -56,6 +57,7 @@ from nopecache.integrations.vllm.metadata import (
     StepReport,
     slots_for,
 )
+from nopecache.recompute.gate import GateVerdict
 from nopecache.recompute.selective import run_selective
 
 __all__ = ["WorkerSide", "layer_index"]
@@ -96,6 +98,8 @@ class WorkerSide:
         self._step_start: float | None = None
         self._load_seconds = 0.0
         self.blend_stack: VllmStack | None = None
+        self.blend_model: nn.Module | None = None
+        self.gate: GateVerdict | None = None  # the correctness gate's verdict (gate.py)
         self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
 
     # -- set-up -----------------------------------------------------------------------
@@ -139,20 +143,41 @@ class WorkerSide:
                     f"KV layout {getattr(self.layout, 'name', None)}: blend mode runs on "
                     "the CPU attention backend only"
                 )
-            stack = VllmStack(find_model(attention_layers))
+            model = find_model(attention_layers)
+            stack = VllmStack(model)
             if stack.num_layers != self.model.num_layers:
                 raise BlendUnavailableError(
                     f"the model found has {stack.num_layers} layers, the caches "
                     f"{self.model.num_layers}"
                 )
-            self.blend_stack = stack
+            self.blend_stack, self.blend_model = stack, model
         except BlendUnavailableError as err:
             self.refuse_blend(str(err))
+
+    def run_gate(self, tokenize: Tokenize | None) -> None:
+        """The blend correctness gate on the bound model (gate.py); refused, or unable to
+        run, the worker runs prefix mode only (the reason, with the figures, logged)."""
+        if self.blend_stack is None or self.blend_model is None:
+            return
+        if tokenize is None:
+            self.refuse_blend("the correctness gate needs the model's tokenizer (none loaded)")
+            return
+        try:
+            verdict = calibrate(self.blend_model, tokenize, self.config.policy(), self.model.rope)
+        except Exception as err:  # an unknown model must cost blend mode, never the engine
+            log.exception("nopecache: the blend correctness gate failed to run")
+            self.refuse_blend(f"the correctness gate failed to run: {type(err).__name__}: {err}")
+            return
+        self.gate = verdict
+        if verdict.passed:
+            log.info("nopecache: %s", verdict.reason())
+        else:
+            self.refuse_blend(verdict.reason())
 
     def refuse_blend(self, reason: str) -> None:
         """Run without the layer loop: blend claims load their exact part only."""
         self.blend_unavailable = reason
-        self.blend_stack = None
+        self.blend_stack = self.blend_model = None
         log.warning("nopecache: blend mode unavailable in this worker (%s)", reason)
 
     # -- per step ---------------------------------------------------------------------
