@@ -257,10 +257,12 @@ class NopecacheConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             counts = self._scheduler.take_counters()
             return NopecacheStats(data=counts) if any(counts.values()) else None
-        self._last_report = self._worker_side().take_report()
-        if self._last_report is None:
+        worker = self._worker_side()
+        self._last_report = worker.take_report()
+        checks = worker.take_checks()
+        if self._last_report is None and not checks:
             return None
-        return NopecacheStats.of_report(self._last_report)
+        return NopecacheStats.of_report(self._last_report or StepReport(), checks)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's report for the scheduler half (prefill rate, totals)."""

@@ -57,6 +57,7 @@ from nopecache.integrations.vllm.metadata import (
     StepReport,
     slots_for,
 )
+from nopecache.integrations.vllm.quality import BlendCheck, QualityWatch
 from nopecache.recompute.gate import GateVerdict
 from nopecache.recompute.selective import run_selective
 
@@ -100,6 +101,7 @@ class WorkerSide:
         self.blend_stack: VllmStack | None = None
         self.blend_model: nn.Module | None = None
         self.gate: GateVerdict | None = None  # the correctness gate's verdict (gate.py)
+        self.quality: QualityWatch | None = None  # sampled blend checks (quality.py)
         self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
 
     # -- set-up -----------------------------------------------------------------------
@@ -169,10 +171,12 @@ class WorkerSide:
             self.refuse_blend(f"the correctness gate failed to run: {type(err).__name__}: {err}")
             return
         self.gate = verdict
-        if verdict.passed:
-            log.info("nopecache: %s", verdict.reason())
-        else:
+        if not verdict.passed:
             self.refuse_blend(verdict.reason())
+            return
+        log.info("nopecache: %s", verdict.reason())
+        if self.config.blend_check_share > 0:
+            self.quality = QualityWatch(self.blend_model, self.config.blend_check_share)
 
     def refuse_blend(self, reason: str) -> None:
         """Run without the layer loop: blend claims load their exact part only."""
@@ -185,6 +189,8 @@ class WorkerSide:
         """Mark the start of a step (before its loads and forward)."""
         self._step_start = time.perf_counter()
         self._load_seconds = 0.0
+        if self.quality is not None:
+            self.quality.step_began()
 
     def load(self, plan: StepPlan) -> None:
         """Fetch and place every load of the step; failures become load errors."""
@@ -314,6 +320,14 @@ class WorkerSide:
             report.recomputed_token_layers += int(run.recomputed.sum())
             report.blend_seconds += time.perf_counter() - started
             report.blend_token_layers += int(run.computed.sum())
+        if self.quality is not None:
+            self.quality.offer(spec.req_id, list(spec.tokens), lambda: self._read_kv(kv.slots))
+
+    def _read_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies ``[layers, len(slots), kv_heads, head_dim]`` of K and V at ``slots``."""
+        assert self.layout is not None
+        pairs = [self.layout.read(cache, slots) for cache in self.caches]
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
     def _blend_failed(self, spec: LoadSpec, start: int, reason: str) -> None:
         log.warning(
@@ -327,6 +341,8 @@ class WorkerSide:
 
     def save(self, plan: StepPlan) -> None:
         """Copy every save's blocks out of the cache and queue their store."""
+        if self.quality is not None:
+            self.quality.step_ended()
         if self.client is not None and self.layout is not None:
             for spec in plan.saves:
                 self._save_one(spec)
@@ -385,6 +401,12 @@ class WorkerSide:
             report, self._report = self._report, StepReport()
         return None if report == StepReport() else report
 
+    def take_checks(self) -> list[BlendCheck]:
+        """Sampled blend checks finished since the last call (quality.py)."""
+        return [] if self.quality is None else self.quality.take()
+
     def close(self) -> None:
-        """Wait for background loads, then stop their thread."""
+        """Wait for background loads, then stop their thread (and the blend checks')."""
         self._loader.shutdown(wait=True)
+        if self.quality is not None:
+            self.quality.close()
