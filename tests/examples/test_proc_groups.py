@@ -16,14 +16,18 @@ import pytest
 
 from tests.support.proc_groups import Group, interrupt_on_signals, stop_groups, stopping
 
-# A group leader that forks a member ignoring SIGTERM, prints both pids, then waits.
+# A group leader that forks a member ignoring SIGTERM, prints both pids once the member
+# ignores it (a pipe says so: printed earlier, SIGTERM could end the member first), waits.
 STUBBORN = """
 import os, signal, sys, time
+ready_r, ready_w = os.pipe()
 pid = os.fork()
 if pid == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.write(ready_w, b"1")
     while True:
         time.sleep(1)
+os.read(ready_r, 1)
 print(os.getpid(), pid, flush=True)
 while True:
     time.sleep(1)
@@ -80,6 +84,26 @@ def test_a_group_that_quits_on_sigterm_is_not_waited_for_the_whole_grace() -> No
     # Gone at SIGTERM: the stop returns then, not at the grace (300 s, far above
     # anything a loaded machine takes to end a sleeping process).
     assert time.monotonic() - start < 60
+
+
+def test_a_group_left_with_only_zombies_is_empty() -> None:
+    # The leader sleeps; a second member of its group is a zombie of ours that nobody
+    # reaps while the stop runs (as an orphan waits on a PID 1 that reaps late).
+    proc = _start("import time; print(flush=True); time.sleep(600)")
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"], process_group=proc.pid)
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)  # until it has exited (unreaped: a zombie in the group)
+    start = time.monotonic()
+    try:
+        stop_groups([_group(proc)], grace_s=300.0)
+        # The old check counted the zombie as a live member and waited out the grace
+        # (300 s, far above anything a loaded machine takes to end a sleeping process).
+        assert time.monotonic() - start < 60
+        assert proc.returncode == -signal.SIGTERM
+    finally:
+        zombie.wait()
 
 
 @pytest.fixture
