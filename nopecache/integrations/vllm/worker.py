@@ -70,6 +70,12 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 _MIN_PREFILL_TOKENS = 64
 
 
+def _ranks() -> int:
+    """Ranks in the default process group (1 when there is none)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def layer_index(name: str) -> int:
     """The layer number in a vLLM attention layer name (``model.layers.7.self_attn.attn``)."""
     match = _LAYER_INDEX.search(name)
@@ -176,7 +182,12 @@ class WorkerSide:
             return
         log.info("nopecache: %s", verdict.reason())
         if self.config.blend_check_share > 0:
-            self.quality = QualityWatch(self.blend_model, self.config.blend_check_share)
+            if _ranks() > 1:
+                # A check runs on one rank's own schedule, and the model's sharded layers
+                # reduce across ranks: the others would never join it.
+                log.warning("nopecache: blend checks need a single rank; %d here", _ranks())
+            else:
+                self.quality = QualityWatch(self.blend_model, self.config.blend_check_share)
 
     def refuse_blend(self, reason: str) -> None:
         """Run without the layer loop: blend claims load their exact part only."""

@@ -24,4 +24,3 @@ def test_share_zero_never_samples() -> None:
 def test_the_sampler_refuses_a_share_outside_zero_one(share: object) -> None:
     with pytest.raises(InvalidArgumentError, match="blend_check_share"):
         ShareSampler(share)  # type: ignore[arg-type]
-

@@ -7,10 +7,10 @@ the model's pre-RoPE K with the description and compares it with vLLM's rotary
 embedding, and blends the calibration prompts (``integrations/vllm/gate.py``):
 
   1. a base 10x too small: refused (RoPE error and answers both say so); the engine
-     then runs prefix mode only: a report placed before a stored system prompt, which a
-     blending engine claims up to the system prompt's end (test_blend_engine), claims
-     nothing, counts a ``blend_fallbacks``, and answers exactly as before anything was
-     stored (the same ids and logprobs).
+     then runs prefix mode only: a report placed before a system prompt that another
+     engine stored, which a blending engine claims up to the system prompt's end
+     (test_blend_engine), claims nothing, counts a ``blend_fallbacks``, and answers
+     exactly as before anything was stored (the same ids and logprobs).
   2. a linear scaling of 2 the model does not use: refused on the RoPE error alone (its
      answers on the short calibration prompts would pass).
 
@@ -56,12 +56,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     proc.kill()
 
 
-def _connector(server: CacheServerProc, rope: dict[str, Any]) -> dict[str, Any]:
+def _connector(server: CacheServerProc, rope: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {
         "url": f"nopecache://{server.address}",
         "pi_reuse": "blend",
         "segment_token_ids": [IM_START],
         "rope_override": rope,
+        **extra,
     }
 
 
@@ -78,7 +79,9 @@ def _metrics(engine: Any) -> dict[str, float]:
 def test_wrong_rope_base_is_refused_and_the_engine_answers_as_prefix_mode(
     engines: EngineFactory, server: CacheServerProc
 ) -> None:
-    engine = engines(dtype="float32", connector=_connector(server, WRONG_BASE))
+    # save off: the report prompt's own blocks never become an exact prefix for its
+    # second run, which must run exactly as its first.
+    engine = engines(dtype="float32", connector=_connector(server, WRONG_BASE, save=False))
     verdict = gate_verdict(engine.log_path)
     print(f"wrong base: {verdict.line}")
     assert not verdict.passed
@@ -99,22 +102,35 @@ def test_wrong_rope_base_is_refused_and_the_engine_answers_as_prefix_mode(
     base = engine.generate_many([report], max_tokens=8, logprobs=5)[0]
     assert base["cached"] == 0
 
+    # A prefix-mode engine with the same description (the same keys) stores a chat with
+    # the system prompt first: its chunks are then position-independent hits of the report.
+    storer = engines(
+        dtype="float32",
+        connector={
+            "url": f"nopecache://{server.address}",
+            "segment_token_ids": [IM_START],
+            "rope_override": WRONG_BASE,
+        },
+    )
     chat = list(
-        engine.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi?"}])
+        storer.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi?"}])
     )
     system_end = [i for i, t in enumerate(chat) if t == IM_START][1]
     assert system_end > 2 * BLOCK
     entries = _entries(server)
-    engine.generate(chat, max_tokens=2)
+    storer.generate(chat, max_tokens=2)
     # Each whole block is one exact entry at least (the chunks come on top): wait for
     # the store queue to land them, an event (seconds on an idle machine).
     wait_stored(server.address, at_least=entries + len(chat) // BLOCK)
+    storer.stop()
 
     before = _metrics(engine)
     out = engine.generate_many([report], max_tokens=8, logprobs=5)[0]
     after = _metrics(engine)
-    # A blend engine claims up to the system prompt's end here; this one claims nothing.
+    # A blend engine claims up to the system prompt's end here; this one claims nothing
+    # (no exact prefix) and counts the blend claim it did not make.
     assert out["cached"] == 0
+    assert after.get("lookups", 0.0) - before.get("lookups", 0.0) == 1
     assert after.get("blend_fallbacks", 0.0) - before.get("blend_fallbacks", 0.0) == 1
     assert after.get("blend_claimed_tokens", 0.0) == 0.0
     assert out["ids"] == base["ids"]
