@@ -7,7 +7,8 @@ and weights through the plain forward of ``plain.py``:
 - RoPE: in a full prefill of each calibration prompt, every layer's pre-RoPE K (vLLM's
   fused ``qkv_proj``) rotated with the RoPE the connector *describes* (``RopeSpec``: the
   rotation every store and fetch applies) must equal the K vLLM's own ``rotary_emb``
-  produces (``rope_error``, relative to the largest |K|).
+  produces (``rope_error``, relative to the largest |K|), within the model dtype's
+  rounding (``GateThresholds.for_dtype``: bf16 rounds vLLM's own rotation).
 - Answers: the full prefill's greedy answer (``ANSWER_TOKENS``) is the reference. The
   chunk is then computed as another request would have stored it (behind the context's
   first ``SOURCE_TOKENS`` tokens, the opening of the same system message), its post-RoPE
@@ -155,4 +156,4 @@ def calibrate(
             for text in (prompt.context, prompt.chunk, prompt.question)
         )
         pairs.append(_pair(full, loop, rope, ids, policy))  # type: ignore[arg-type]
-    return judge(policy.name, pairs, thresholds, rope=probe.error)
+    return judge(policy.name, pairs, thresholds.for_dtype(probe.dtype), rope=probe.error)

@@ -13,8 +13,10 @@ embedding, and blends the calibration prompts (``integrations/vllm/gate.py``):
      exactly as before anything was stored (the same ids and logprobs).
   2. a linear scaling of 2 the model does not use: refused on the RoPE error alone (its
      answers on the short calibration prompts would pass).
+  3. SmolLM2 in bf16 with its own description: passes.
 
-SmolLM2 with its own description passes (test_blend_engine's engine A).
+SmolLM2 with its own description passes: in fp32 (test_blend_engine's engine A) and in
+bf16, whose rounding of vLLM's own rotation the RoPE check allows (3).
 """
 
 from __future__ import annotations
@@ -146,4 +148,20 @@ def test_wrong_rope_scaling_is_refused_on_the_rope_check(
     print(f"wrong scaling: {verdict.line}")
     assert not verdict.passed
     assert verdict.rope_error > 0.1
+    engine.stop()
+
+
+def test_smollm2_in_bf16_passes_within_its_own_rounding(
+    engines: EngineFactory, server: CacheServerProc
+) -> None:
+    # bf16 rounds vLLM's own rotation (5.5e-03 of the largest |K| against the fp32
+    # description): the RoPE check allows 4 bf16 epsilons, a wrong RoPE is at ~1.
+    engine = engines(
+        dtype="bfloat16",
+        connector={"url": f"nopecache://{server.address}", "pi_reuse": "blend"},
+    )
+    verdict = gate_verdict(engine.log_path)
+    print(f"bf16: {verdict.line}")
+    assert verdict.passed
+    assert 0.0 < verdict.rope_error <= 4 * 2**-7
     engine.stop()
