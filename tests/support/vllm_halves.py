@@ -123,10 +123,23 @@ class _Engine:
         )
         plan = self.scheduler.build_step(output)
         self.worker.begin_step()
-        self.worker.load(plan)
+        self.load(plan)
         self.worker.save(plan)
         self.client.drain()
         return SimpleNamespace(claimed=claimed, plan=plan)
+
+    def load(self, plan: Any) -> None:
+        """Run the step's loads and wait for the background ones (``load_async``, the
+        default) until ``finished_loads`` reports each, as vLLM holds the request's
+        forward until then."""
+        self.worker.load(plan)
+        waiting = {spec.req_id for spec in plan.loads if spec.asynchronous}
+        # Only a hang guard: a loopback fetch of a few blocks takes milliseconds.
+        deadline = time.monotonic() + 60
+        while waiting:
+            assert time.monotonic() < deadline, f"loads of {sorted(waiting)} never finished"
+            waiting -= self.worker.finished_loads()
+            time.sleep(0.001)
 
     def close(self) -> None:
         self.worker.close()

@@ -20,10 +20,11 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      token-layers the policy recomputes, in [0, 1]
     namespace    str    ""           salt separating workloads within one tenant
     load         bool   true         look up and load cached KV
-    load_async   bool   false        fetch in the background while vLLM runs other
+    load_async   bool   true         fetch in the background while vLLM runs other
                                      requests (the request waits in
                                      WAITING_FOR_REMOTE_KVS); false: fetch before the
-                                     step's forward
+                                     step's forward. Blend claims always load right
+                                     before their forward (their layer loop runs there)
     lookup_wait_ms
                  float  2.0          how long vLLM's scheduler waits for a lookup before
                                      answering "not yet" (the request is asked again on
@@ -132,7 +133,7 @@ class ConnectorConfig:
     pi_reuse: PiReuse = "off"
     namespace: str = ""
     load: bool = True
-    load_async: bool = False
+    load_async: bool = True
     lookup_wait_ms: float = 2.0
     save: bool = True
     segment_token_ids: frozenset[int] = frozenset()
@@ -243,7 +244,7 @@ class ConnectorConfig:
             recompute_budget=float(budget),
             namespace=_str("namespace", extra.get("namespace", "")),
             load=_bool("load", extra.get("load", True)),
-            load_async=_bool("load_async", extra.get("load_async", False)),
+            load_async=_bool("load_async", extra.get("load_async", True)),
             save=_bool("save", extra.get("save", True)),
             segment_token_ids=_token_ids("segment_token_ids", extra.get("segment_token_ids", [])),
         )

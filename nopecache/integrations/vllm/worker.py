@@ -10,10 +10,11 @@ Runs in each vLLM worker process, on the model runner's thread, around every for
                                per layer), hand them to the client's store queue
                                (``wait=False``: the network runs in the background)
 
-Loads are synchronous by default: vLLM schedules the request's forward right after, so
-the KV must be in place before it. With ``load_async`` they run on a background thread
-while vLLM keeps stepping other requests; the request waits until ``finished_loads``
-reports it (vLLM's async-receive protocol). A hit that fails verification, a server that dies mid-fetch, or
+Loads run on a background thread by default (``load_async``) while vLLM keeps stepping
+other requests; the request waits until ``finished_loads`` reports it (vLLM's
+async-receive protocol). Blend loads, and every load with ``load_async=false``, run
+before the step's forward: vLLM schedules the request's forward right after, so the KV
+must be in place before it. A hit that fails verification, a server that dies mid-fetch, or
 any error while placing marks the blocks it covers as failed loads: vLLM recomputes
 them (``get_block_ids_with_load_errors``), and nothing wrong is ever attended to.
 vLLM's K is post-RoPE, so blocks are stored with ``form="rope"`` at their positions:
