@@ -191,13 +191,15 @@ def test_worker_finds_the_served_model_by_its_attention_layers() -> None:
 def test_rope_override_replaces_the_described_rope(model_dir: str) -> None:
     own = model_identity(_vllm_config(model_dir, dtype="float32"))
     linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}
-    moved = model_identity(_vllm_config(model_dir, dtype="float32"), linear)
+    moved = model_identity(_vllm_config(model_dir, dtype="float32"), rope_override=linear)
     assert moved.rope.scaling_type == "linear"
     assert moved.rope.inv_freq == tuple(f / 2 for f in own.rope.inv_freq)
     # Another description, other keys: blocks of the two never mix.
     assert moved.fingerprint.digest() != own.fingerprint.digest()
     with pytest.raises(ConnectorConfigError, match=r"\['rope_override'\]: unknown rope type"):
-        model_identity(_vllm_config(model_dir, dtype="float32"), {"rope_type": "sideways"})
+        model_identity(
+            _vllm_config(model_dir, dtype="float32"), rope_override={"rope_type": "sideways"}
+        )
 
 
 def test_a_worker_refusal_puts_the_scheduler_in_prefix_mode(model_dir: str) -> None:
