@@ -37,6 +37,7 @@ from nopecache.client.errors import InvalidArgumentError
 __all__ = [
     "CALIBRATION_PROMPTS",
     "DEFAULT_THRESHOLDS",
+    "ROPE_EPS_MULTIPLE",
     "CalibrationPrompt",
     "GateThresholds",
     "GateVerdict",
@@ -138,6 +139,19 @@ class GateThresholds:
         if not 0.0 <= self.min_top1 <= 1.0:
             raise InvalidArgumentError("min_top1", f"must be in [0, 1], got {self.min_top1!r}")
 
+    def for_dtype(self, dtype: torch.dtype) -> GateThresholds:
+        """These thresholds for a model computing in ``dtype``: the RoPE error allowed is at
+        least ``ROPE_EPS_MULTIPLE`` x the dtype's epsilon, since a 16-bit model's own
+        rotation rounds K (SmolLM2 in bf16: 5.5e-03 against an fp32 description; a
+        wrong base or scaling measures 0.8-1.3)."""
+        floor = ROPE_EPS_MULTIPLE * torch.finfo(dtype).eps
+        if self.max_rope_error >= floor:
+            return self
+        return GateThresholds(self.max_kl, self.min_top1, floor)
+
+
+ROPE_EPS_MULTIPLE = 4.0
+"""The RoPE error a model's own rounding may reach, in epsilons of its dtype."""
 
 DEFAULT_THRESHOLDS = GateThresholds()
 

@@ -47,3 +47,13 @@ def test_rope_error_is_relative_to_the_largest_key() -> None:
     model = torch.tensor([[2.0, -4.0]])
     assert rope_error(model, model) == 0.0
     assert rope_error(torch.tensor([[2.0, -3.0]]), model) == 0.25
+
+
+def test_thresholds_for_a_16_bit_model_allow_its_own_rounding() -> None:
+    t = GateThresholds()
+    assert t.for_dtype(torch.float32) is t  # 4 eps of fp32 is far below 1e-3
+    bf16 = t.for_dtype(torch.bfloat16)
+    assert bf16.max_rope_error == 4 * 2**-7 and (bf16.max_kl, bf16.min_top1) == (0.5, 0.6)
+    assert t.for_dtype(torch.float16).max_rope_error == 4 * 2**-10
+    loose = GateThresholds(max_rope_error=0.1)
+    assert loose.for_dtype(torch.bfloat16) is loose

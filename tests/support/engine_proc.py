@@ -9,7 +9,8 @@ one JSON line on a private pipe (vLLM's own logs go to a log file). Commands:
      "logprobs": k | null, "skip_reading_prefix_cache": bool | null}
         -> {"outputs": [{"ids", "text", "cached", "ttft", "prompt_logprobs", "logprobs"}],
             "seconds": s}   (ttft: vLLM's own time to first token of the request, seconds)
-    {"op": "metrics"}                            -> {"vllm:...": value}  (counters summed)
+    {"op": "metrics"}                            -> {"vllm:...": value}  (counters summed;
+                                                    a histogram as "<name>:count", ":sum")
 
 CPU settings every engine shares (so every run does the same arithmetic): one OpenMP
 thread bound to one core (``VLLM_CPU_OMP_THREADS_BIND=<core>``: any KV connector reserves
@@ -372,6 +373,10 @@ def _serve(llm: Any, command: dict[str, Any]) -> Any:
             value = getattr(metric, "value", None)
             if isinstance(value, int | float):
                 totals[metric.name] = totals.get(metric.name, 0.0) + float(value)
+            elif isinstance(getattr(metric, "count", None), int):  # a histogram
+                for part in ("count", "sum"):
+                    key = f"{metric.name}:{part}"
+                    totals[key] = totals.get(key, 0.0) + float(getattr(metric, part))
         return totals
     raise ValueError(f"unknown op {op!r}")
 

@@ -86,4 +86,5 @@ def calibrate(
     """Blend under ``policy`` against full prefills on ``prompts`` (see the module doc)."""
     measured = [_pair(engine, tokenize, p, policy) for p in prompts]
     pairs = [(full, blend) for full, blend, _ in measured]
-    return judge(policy.name, pairs, thresholds, rope=max(e for _, _, e in measured))
+    rope = max(e for _, _, e in measured)
+    return judge(policy.name, pairs, thresholds.for_dtype(engine.stack.dtype), rope=rope)

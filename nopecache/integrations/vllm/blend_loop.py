@@ -33,6 +33,7 @@ from torch import nn
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.errors import BlendUnavailableError
 from nopecache.integrations.vllm.layout import KVLayout
+from nopecache.recompute.selective import Projection
 
 __all__ = ["BlendUnavailableError", "PagedLayerKV", "VllmStack", "find_model"]
 
@@ -115,7 +116,7 @@ class VllmStack:
         x, residual = compat.residual_norm(self.input_norms[layer], hidden, residual)
         return (None, residual), x
 
-    def project(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> _VllmProjection:
+    def project(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> Projection:
         """The layer's Q/K/V at ``positions``."""
         return _VllmProjection(self, layer, x, positions)
 

@@ -56,6 +56,7 @@ __all__ = [
     "attention_layers",
     "block_hashes",
     "cache_block_size",
+    "final_logits",
     "finished_req_ids",
     "hf_text_config",
     "kv_cache_dtype",
@@ -71,13 +72,16 @@ __all__ = [
     "platform_name",
     "prefix_caching",
     "prompt_token_ids",
+    "qkv",
     "qkv_rope",
     "recompute_load_failures",
     "request_id",
     "residual_norm",
+    "rope",
     "scheduled_requests",
     "served_model",
     "tensor_parallel_rank",
+    "tokenizer",
     "total_kv_heads",
     "total_scheduled_tokens",
     "uses_mla",
@@ -396,17 +400,29 @@ def llama_modules(model: nn.Module) -> LlamaModules:
     )
 
 
+def qkv(attn: LlamaAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K (pre-RoPE) and V of ``x``, flat over heads (vLLM's fused projection returns
+    ``(output, bias)``)."""
+    fused, _ = attn.qkv_proj(x)
+    q, k, v = fused.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    return q, k, v
+
+
+def rope(
+    attn: LlamaAttention, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q and K rotated to ``positions`` by the layer's own rotary embedding (which may
+    rotate its inputs in place: pass copies of what must survive)."""
+    q, k = attn.rotary_emb(positions, q, k)
+    return q, k
+
+
 def qkv_rope(
     attn: LlamaAttention, x: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q, K (both rotated to ``positions``) and V of ``x``, flat over heads.
-
-    vLLM's fused projection returns ``(output, bias)`` and its rotary embedding rotates
-    Q and K together.
-    """
-    qkv, _ = attn.qkv_proj(x)
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q, k = attn.rotary_emb(positions, q, k)
+    """Q, K (both rotated to ``positions``) and V of ``x``, flat over heads."""
+    q, k, v = qkv(attn, x)
+    q, k = rope(attn, positions, q, k)
     return q, k, v
 
 
@@ -427,3 +443,26 @@ def residual_norm(
         return norm(hidden), hidden
     out, residual = norm(hidden, residual)
     return out, residual
+
+
+def final_logits(
+    model: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """Logits ``[n, vocab]`` of the last decoder layer's stream: the model's final norm
+    (fused with the residual add), then its LM head through its logits processor."""
+    base = _sub(model, "model")
+    normed, _ = residual_norm(_sub(base, "norm"), hidden, residual)
+    compute = getattr(model, "compute_logits", None)
+    if compute is None:
+        raise BlendUnavailableError(f"{type(model).__name__} has no compute_logits")
+    logits = compute(normed)
+    if logits is None:
+        raise BlendUnavailableError("the model computed no logits on this rank")
+    return torch.as_tensor(logits)
+
+
+def tokenizer(vllm_config: VllmConfig) -> Any:
+    """vLLM's tokenizer of the served model (None when vLLM skips tokenizer init)."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    return cached_tokenizer_from_config(vllm_config.model_config)

@@ -38,6 +38,19 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      (history truncated) keeps its keys; without them
                                      content-defined chunks resynchronise only after
                                      the first cut past the move
+    rope_override
+                 dict   {}           RoPE parameters that replace the model config's
+                                     ``rope_parameters`` in the connector's description
+                                     (keys and store/fetch rotation), e.g.
+                                     {"rope_type": "linear", "factor": 2.0,
+                                     "rope_theta": 100000}: for a model whose config
+                                     does not state the RoPE it runs. In blend mode the
+                                     correctness gate checks it against the model's own
+                                     rotary embedding (gate.py)
+    blend_check_share
+                 float  0.01         blend only: share of blended requests re-checked in
+                                     the background against a full prefill, in [0, 1]
+                                     (0: never; quality.py)
     kv_event_medium
                  str    "STORAGE"    the medium of the KV events announcing stored blocks
                                      (events.py: the tier name Dynamo and llm-d map
@@ -98,6 +111,8 @@ __all__ = [
 ]
 
 PiReuse = Literal["off", "contiguous", "blend"]
+DEFAULT_CHECK_SHARE = 0.01
+"""Blended requests re-checked against a full prefill by default: one in a hundred."""
 _PI_REUSE: tuple[str, ...] = ("off", "contiguous", "blend")
 
 
@@ -136,6 +151,8 @@ class ConnectorConfig:
     recompute_policy: str = DEFAULT_POLICY_NAME
     recompute_budget: float = DEFAULT_BUDGET
     kv_event_medium: str = DEFAULT_MEDIUM
+    rope_override: Mapping[str, Any] | None = None
+    blend_check_share: float = DEFAULT_CHECK_SHARE
     kv_head_group: int | None = None
 
     KEYS = (
@@ -150,6 +167,8 @@ class ConnectorConfig:
         "recompute_policy",
         "recompute_budget",
         "kv_event_medium",
+        "rope_override",
+        "blend_check_share",
         "kv_head_group",
     )
 
@@ -177,7 +196,7 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "pi_reuse", f"must be one of {', '.join(_PI_REUSE)}, got {pi_reuse!r}"
             )
-        for key in ("recompute_policy", "recompute_budget"):
+        for key in ("recompute_policy", "recompute_budget", "blend_check_share"):
             if key in extra and pi_reuse != "blend":
                 raise ConnectorConfigError(
                     key, f'applies to pi_reuse="blend" only (pi_reuse is {pi_reuse!r})'
@@ -202,6 +221,26 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "lookup_wait_ms", f"must be a number of milliseconds in [0, 10000], got {wait!r}"
             )
+        share = extra.get("blend_check_share", DEFAULT_CHECK_SHARE)
+        if (
+            isinstance(share, bool)
+            or not isinstance(share, int | float)
+            or not 0.0 <= float(share) <= 1.0
+        ):
+            raise ConnectorConfigError(
+                "blend_check_share", f"must be a number in [0, 1] (e.g. 0.01), got {share!r}"
+            )
+        rope_override = extra.get("rope_override")
+        if rope_override is not None and (
+            not isinstance(rope_override, Mapping)
+            or not rope_override
+            or not all(isinstance(k, str) for k in rope_override)
+        ):
+            raise ConnectorConfigError(
+                "rope_override",
+                "must be a non-empty object of RoPE parameters (e.g. "
+                f'{{"rope_type": "linear", "factor": 2.0}}), got {rope_override!r}',
+            )
         medium = _str("kv_event_medium", extra.get("kv_event_medium", DEFAULT_MEDIUM))
         if not medium or not medium.isprintable() or any(c.isspace() for c in medium):
             raise ConnectorConfigError(
@@ -219,6 +258,8 @@ class ConnectorConfig:
             kv_head_group=group,
             lookup_wait_ms=float(wait),
             kv_event_medium=medium,
+            rope_override=None if rope_override is None else dict(rope_override),
+            blend_check_share=float(share),
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
             recompute_policy=policy,
             recompute_budget=float(budget),
@@ -316,9 +357,25 @@ def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
     return dtype
 
 
-def model_identity(vllm_config: VllmConfig, kv_head_group: int | None = None) -> ModelIdentity:
+def _rope(vllm_config: VllmConfig, override: Mapping[str, Any] | None) -> RopeSpec:
+    config = compat.hf_text_config(vllm_config)
+    if override is None:
+        return RopeSpec.from_hf_config(config)
+    try:
+        merged = {**config.to_dict(), "rope_scaling": None, "rope_parameters": dict(override)}
+        return RopeSpec.from_hf_config(merged)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConnectorConfigError("rope_override", str(err)) from None
+
+
+def model_identity(
+    vllm_config: VllmConfig,
+    kv_head_group: int | None = None,
+    rope_override: Mapping[str, Any] | None = None,
+) -> ModelIdentity:
     """The fingerprint, RoPE spec, block size and head split of the model vLLM serves.
 
+    ``rope_override``: RoPE parameters replacing the config's (``ConnectorConfig``).
     Raises UnsupportedEngineError for what the connector cannot serve: pipeline
     parallelism (each rank would hold some layers), tensor parallelism that replicates
     KV heads (more ranks than KV heads), quantized KV, MLA or models without RoPE; and
@@ -333,7 +390,9 @@ def model_identity(vllm_config: VllmConfig, kv_head_group: int | None = None) ->
     if compat.uses_mla(vllm_config):
         raise UnsupportedEngineError("MLA models are not supported by the vLLM connector yet")
     try:
-        rope = RopeSpec.from_hf_config(compat.hf_text_config(vllm_config))
+        rope = _rope(vllm_config, rope_override)
+    except ConnectorConfigError:
+        raise
     except (ValueError, TypeError, KeyError) as err:
         raise UnsupportedEngineError(f"cannot derive a RoPE spec from the model: {err}") from err
     num_layers, _, head_dim = compat.model_shape(vllm_config)

@@ -32,12 +32,13 @@ sets ``kv_load_failure_policy="recompute"``, since a cache miss is never fatal).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -74,10 +75,22 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["NopecacheConnector", "NopecacheConnectorMetadata", "NopecacheWorkerMetadata"]
+__all__ = [
+    "NopecacheConnector",
+    "NopecacheConnectorMetadata",
+    "NopecacheHandshake",
+    "NopecacheWorkerMetadata",
+]
 
 # Under "vllm." so the lines appear in vLLM's own log, in its format.
 log = logging.getLogger(f"vllm.{__name__}")
+
+
+def _tokenize(vllm_config: VllmConfig) -> Callable[[str], list[int]] | None:
+    tokenizer = compat.tokenizer(vllm_config)
+    if tokenizer is None:
+        return None
+    return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class NopecacheConnectorMetadata(KVConnectorMetadata):
@@ -101,6 +114,15 @@ class NopecacheWorkerMetadata(KVConnectorWorkerMetadata):
         return NopecacheWorkerMetadata(self.report.add(other.report, same_step=True))
 
 
+class NopecacheHandshake(KVConnectorHandshakeMetadata):
+    """A worker's start-up word to the scheduler half: why it cannot blend (None: it
+    can), e.g. its correctness gate's refusal with the figures (gate.py)."""
+
+    def __init__(self, blend_refused: str | None) -> None:
+        """Wrap the refusal."""
+        self.blend_refused = blend_refused
+
+
 class NopecacheConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by nopecache (see the module docstring)."""
 
@@ -116,7 +138,9 @@ class NopecacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
-        self.model: ModelIdentity = model_identity(vllm_config, self.settings.kv_head_group)
+        self.model: ModelIdentity = model_identity(
+            vllm_config, self.settings.kv_head_group, self.settings.rope_override
+        )
         # The scheduler looks up under the first head group; a worker keys each of its
         # rank's groups under its own client (worker.py, client/head_groups.py).
         tp_rank = (
@@ -204,12 +228,19 @@ class NopecacheConnector(KVConnectorBase_V1):
         log.info("nopecache: KV cache layout %s for %d layers", layout.name, len(kv_caches))
         if self.settings.blend:
             worker.bind_model(compat.attention_layers(self._vllm_config, kv_caches))
+            worker.run_gate(_tokenize(self._vllm_config) if worker.blend_stack else None)
             if worker.blend_stack is not None:
                 log.info(
                     "nopecache: blend mode runs %s with policy %s",
                     type(worker.blend_stack).__name__,
                     self.settings.policy().name,
                 )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Whether this worker blends (its gate's verdict), for the scheduler half."""
+        if self._worker is None or not self.settings.blend:
+            return None
+        return NopecacheHandshake(self._worker.blend_unavailable)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step's plan and start timing the step."""
@@ -257,10 +288,12 @@ class NopecacheConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             counts = self._scheduler.take_counters()
             return NopecacheStats(data=counts) if any(counts.values()) else None
-        self._last_report = self._worker_side().take_report()
-        if self._last_report is None:
+        worker = self._worker_side()
+        self._last_report = worker.take_report()
+        checks = worker.take_checks()
+        if self._last_report is None and not checks:
             return None
-        return NopecacheStats.of_report(self._last_report)
+        return NopecacheStats.of_report(self._last_report or StepReport(), checks)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's report for the scheduler half (prefill rate, totals)."""
@@ -273,6 +306,14 @@ class NopecacheConnector(KVConnectorBase_V1):
     def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "scheduler-side hook called on a worker connector"
         return self._scheduler
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        """The workers' start-up word: one that cannot blend puts the engine in prefix mode."""
+        for meta in metadata.values():
+            if isinstance(meta, NopecacheHandshake) and meta.blend_refused is not None:
+                self._scheduler_side().refuse_blend(meta.blend_refused)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -4,7 +4,8 @@ Each interval the scheduler connector reports its lookup and claim counters
 (``scheduler.SCHEDULER_COUNTERS``) and each worker the numeric fields of its
 ``StepReport``, as :class:`NopecacheStats`; vLLM sums them (``aggregate``), logs them
 (``reduce``) and hands them to :class:`NopecachePromMetrics`, which adds them to one
-counter per key.
+counter per key. The sampled blend checks (``quality.py``) travel as lists of values
+(``SAMPLE_FIELDS``, concatenated) and land in one histogram each.
 """
 
 from __future__ import annotations
@@ -18,20 +19,37 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from nopecache.integrations.vllm.metadata import StepReport
+from nopecache.integrations.vllm.quality import BlendCheck
 from nopecache.integrations.vllm.scheduler import SCHEDULER_COUNTERS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
-__all__ = ["STAT_FIELDS", "WORKER_COUNTERS", "NopecachePromMetrics", "NopecacheStats"]
+__all__ = [
+    "SAMPLE_BUCKETS",
+    "SAMPLE_FIELDS",
+    "STAT_FIELDS",
+    "WORKER_COUNTERS",
+    "NopecachePromMetrics",
+    "NopecacheStats",
+]
 
 WORKER_COUNTERS = tuple(
     f.name for f in dataclasses.fields(StepReport) if f.name not in ("failed_requests",)
 )
 """The StepReport fields a worker reports (the numeric ones)."""
-STAT_FIELDS = tuple(dict.fromkeys((*SCHEDULER_COUNTERS, *WORKER_COUNTERS)))
+STAT_FIELDS = tuple(dict.fromkeys((*SCHEDULER_COUNTERS, *WORKER_COUNTERS, "blend_checks")))
 """Every counter, scheduler's first, in the order vLLM logs them."""
+SAMPLE_BUCKETS: dict[str, tuple[float, ...]] = {
+    # KL(full || blend) in nats, mean over a checked request's answer tokens: the gate
+    # refuses above 0.5; SmolLM2's blends measure 0.002-0.06.
+    "blend_kl": (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 0.5, 1.0, 3.0, 10.0),
+    # Share of the answer tokens where blend's argmax is full prefill's: in [0, 1].
+    "blend_top1": (0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+}
+SAMPLE_FIELDS = tuple(SAMPLE_BUCKETS)
+"""Per-check values (lists): one histogram each."""
 
 
 @dataclasses.dataclass
@@ -39,9 +57,16 @@ class NopecacheStats(KVConnectorStats):
     """Connector counters of an interval: StepReport's numeric fields, summed."""
 
     @classmethod
-    def of_report(cls, report: StepReport) -> NopecacheStats:
-        """A worker's counters: the report's numeric fields."""
-        return cls(data={k: getattr(report, k) for k in WORKER_COUNTERS})
+    def of_report(
+        cls, report: StepReport, checks: list[BlendCheck] | None = None
+    ) -> NopecacheStats:
+        """A worker's counters: the report's numeric fields, and its blend checks."""
+        data: dict[str, Any] = {k: getattr(report, k) for k in WORKER_COUNTERS}
+        if checks:
+            data["blend_checks"] = len(checks)
+            data["blend_kl"] = [c.kl for c in checks]
+            data["blend_top1"] = [c.top1 for c in checks]
+        return cls(data=data)
 
     def reset(self) -> None:
         """Zero every counter."""
@@ -52,15 +77,22 @@ class NopecacheStats(KVConnectorStats):
         for key, value in other.data.items():
             if key in STAT_FIELDS:
                 self.data[key] = self.data.get(key, 0) + value
+            elif key in SAMPLE_FIELDS:
+                self.data[key] = [*self.data.get(key, ()), *value]
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The counters, as logged."""
-        return {k: self.data.get(k, 0) for k in STAT_FIELDS}
+        """The counters, as logged (each check list as its mean)."""
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in STAT_FIELDS}
+        for key in SAMPLE_FIELDS:
+            values = self.data.get(key)
+            if values:
+                out[f"{key}_mean"] = sum(values) / len(values)
+        return out
 
     def is_empty(self) -> bool:
         """True when nothing was counted."""
-        return not any(self.data.get(k) for k in STAT_FIELDS)
+        return not any(self.data.get(k) for k in (*STAT_FIELDS, *SAMPLE_FIELDS))
 
 
 class NopecachePromMetrics(KVConnectorPromMetrics):
@@ -87,6 +119,11 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "pi_token_layers": "Reused position-independent tokens x layers of blend claims",
         "recomputed_token_layers": "Of those token-layers, the ones the blend loop recomputed",
         "blend_fallbacks": "Requests whose blend claim was refused or fell back to the prefix",
+        "blend_checks": "Blended requests re-checked against a full prefill (sampled)",
+    }
+    _HISTOGRAMS: ClassVar[dict[str, str]] = {
+        "blend_kl": "KL(full prefill || blend) of a sampled blended request's answer (nats)",
+        "blend_top1": "Top-1 agreement of blend with full prefill on a sampled request's answer",
     }
 
     def __init__(
@@ -96,7 +133,7 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
-        """Register one counter per key of ``_COUNTERS``."""
+        """Register one counter per key of ``_COUNTERS``, one histogram per ``_HISTOGRAMS``."""
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for key, doc in self._COUNTERS.items():
@@ -106,6 +143,17 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
             self._counters[key] = {
                 idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self._histograms: dict[str, dict[int, Any]] = {}
+        for key, doc in self._HISTOGRAMS.items():
+            histogram = self._histogram_cls(
+                name=f"vllm:nopecache_{key}",
+                documentation=doc,
+                labelnames=labelnames,
+                buckets=list(SAMPLE_BUCKETS[key]),
+            )
+            self._histograms[key] = {
+                idx: histogram.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Add an interval's counters."""
@@ -113,3 +161,6 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(key, 0)
             if value:
                 per_engine[engine_idx].inc(value)
+        for key, per_engine in self._histograms.items():
+            for sample in transfer_stats_data.get(key, ()):
+                per_engine[engine_idx].observe(sample)

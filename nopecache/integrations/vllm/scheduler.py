@@ -205,6 +205,15 @@ class SchedulerSide:
         per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
         self.rates = MeasuredRates(model.num_layers, per_token * model.dtype.itemsize)
 
+    def refuse_blend(self, reason: str) -> None:
+        """Claim exact prefixes only from now on (a worker refused blend mode at start-up:
+        its correctness gate, or no layer loop); requests that lose a blend claim are
+        counted as ``blend_fallbacks``."""
+        if self.blend:
+            log.warning("nopecache: blend mode refused by a worker, prefix mode only (%s)", reason)
+        self.blend = False
+        self.policy = None
+
     # -- claims -----------------------------------------------------------------------
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that the cache can supply (0 on failure);

@@ -55,6 +55,7 @@ from nopecache.integrations.vllm.blend_loop import (
     find_model,
 )
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
+from nopecache.integrations.vllm.gate import Tokenize, calibrate
 from nopecache.integrations.vllm.layout import (
     CpuAttnLayout,
     KVLayout,
@@ -68,6 +69,8 @@ from nopecache.integrations.vllm.metadata import (
     StepReport,
     slots_for,
 )
+from nopecache.integrations.vllm.quality import BlendCheck, QualityWatch
+from nopecache.recompute.gate import GateVerdict
 from nopecache.recompute.selective import run_selective
 
 __all__ = ["PER_REQUEST_COUNTS", "WorkerSide", "layer_index"]
@@ -91,6 +94,12 @@ requests): reported by rank 0 only, so vLLM's sum over ranks counts each token o
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 # A step computing fewer tokens is decode-dominated: its rate says nothing about prefill.
 _MIN_PREFILL_TOKENS = 64
+
+
+def _ranks() -> int:
+    """Ranks in the default process group (1 when there is none)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def layer_index(name: str) -> int:
@@ -135,6 +144,9 @@ class WorkerSide:
         self._step_start: float | None = None
         self._load_seconds = 0.0
         self.blend_stack: VllmStack | None = None
+        self.blend_model: nn.Module | None = None
+        self.gate: GateVerdict | None = None  # the correctness gate's verdict (gate.py)
+        self.quality: QualityWatch | None = None  # sampled blend checks (quality.py)
         self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
 
     # -- set-up -----------------------------------------------------------------------
@@ -178,20 +190,48 @@ class WorkerSide:
                     f"KV layout {getattr(self.layout, 'name', None)}: blend mode runs on "
                     "the CPU attention backend only"
                 )
-            stack = VllmStack(find_model(attention_layers))
+            model = find_model(attention_layers)
+            stack = VllmStack(model)
             if stack.num_layers != self.model.num_layers:
                 raise BlendUnavailableError(
                     f"the model found has {stack.num_layers} layers, the caches "
                     f"{self.model.num_layers}"
                 )
-            self.blend_stack = stack
+            self.blend_stack, self.blend_model = stack, model
         except BlendUnavailableError as err:
             self.refuse_blend(str(err))
+
+    def run_gate(self, tokenize: Tokenize | None) -> None:
+        """The blend correctness gate on the bound model (gate.py); refused, or unable to
+        run, the worker runs prefix mode only (the reason, with the figures, logged)."""
+        if self.blend_stack is None or self.blend_model is None:
+            return
+        if tokenize is None:
+            self.refuse_blend("the correctness gate needs the model's tokenizer (none loaded)")
+            return
+        try:
+            verdict = calibrate(self.blend_model, tokenize, self.config.policy(), self.model.rope)
+        except Exception as err:  # an unknown model must cost blend mode, never the engine
+            log.exception("nopecache: the blend correctness gate failed to run")
+            self.refuse_blend(f"the correctness gate failed to run: {type(err).__name__}: {err}")
+            return
+        self.gate = verdict
+        if not verdict.passed:
+            self.refuse_blend(verdict.reason())
+            return
+        log.info("nopecache: %s", verdict.reason())
+        if self.config.blend_check_share > 0:
+            if _ranks() > 1:
+                # A check runs on one rank's own schedule, and the model's sharded layers
+                # reduce across ranks: the others would never join it.
+                log.warning("nopecache: blend checks need a single rank; %d here", _ranks())
+            else:
+                self.quality = QualityWatch(self.blend_model, self.config.blend_check_share)
 
     def refuse_blend(self, reason: str) -> None:
         """Run without the layer loop: blend claims load their exact part only."""
         self.blend_unavailable = reason
-        self.blend_stack = None
+        self.blend_stack = self.blend_model = None
         log.warning("nopecache: blend mode unavailable in this worker (%s)", reason)
 
     # -- per step ---------------------------------------------------------------------
@@ -199,6 +239,8 @@ class WorkerSide:
         """Mark the start of a step (before its loads and forward)."""
         self._step_start = time.perf_counter()
         self._load_seconds = 0.0
+        if self.quality is not None:
+            self.quality.step_began()
 
     def load(self, plan: StepPlan) -> None:
         """Fetch and place every load of the step; failures become load errors."""
@@ -354,6 +396,14 @@ class WorkerSide:
             report.recomputed_token_layers += int(run.recomputed.sum())
             report.blend_seconds += time.perf_counter() - started
             report.blend_token_layers += int(run.computed.sum())
+        if self.quality is not None:
+            self.quality.offer(spec.req_id, list(spec.tokens), lambda: self._read_kv(kv.slots))
+
+    def _read_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies ``[layers, len(slots), kv_heads, head_dim]`` of K and V at ``slots``."""
+        assert self.layout is not None
+        pairs = [self.layout.read(cache, slots) for cache in self.caches]
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
     def _blend_failed(self, spec: LoadSpec, start: int, reason: str) -> None:
         log.warning(
@@ -367,6 +417,8 @@ class WorkerSide:
 
     def save(self, plan: StepPlan) -> None:
         """Copy every save's blocks out of the cache and queue their store."""
+        if self.quality is not None:
+            self.quality.step_ended()
         if self.groups and self.layout is not None:
             for spec in plan.saves:
                 self._save_one(spec)
@@ -437,6 +489,12 @@ class WorkerSide:
                 setattr(report, name, 0)
         return None if report == StepReport() else report
 
+    def take_checks(self) -> list[BlendCheck]:
+        """Sampled blend checks finished since the last call (quality.py)."""
+        return [] if self.quality is None else self.quality.take()
+
     def close(self) -> None:
-        """Wait for background loads, then stop their thread."""
+        """Wait for background loads, then stop their thread (and the blend checks')."""
         self._loader.shutdown(wait=True)
+        if self.quality is not None:
+            self.quality.close()

@@ -96,6 +96,21 @@ def test_blend_settings_and_their_defaults() -> None:
     assert config.policy().name == first_k(1.0).name
 
 
+def test_blend_check_share_and_rope_override_settings() -> None:
+    config = ConnectorConfig.from_extra_config({"url": URL, "pi_reuse": "blend"})
+    assert config.blend_check_share == 0.01 and config.rope_override is None
+    config = ConnectorConfig.from_extra_config(
+        {
+            "url": URL,
+            "pi_reuse": "blend",
+            "blend_check_share": 0,
+            "rope_override": {"rope_type": "linear", "factor": 2.0},
+        }
+    )
+    assert config.blend_check_share == 0.0
+    assert config.rope_override == {"rope_type": "linear", "factor": 2.0}
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -107,6 +122,12 @@ def test_blend_settings_and_their_defaults() -> None:
         ({"pi_reuse": "blend", "recompute_policy": "best"}, "['recompute_policy']: must be one of"),
         ({"pi_reuse": "blend", "recompute_budget": 1.5}, "['recompute_budget']: must be a number"),
         ({"pi_reuse": "blend", "recompute_budget": True}, "['recompute_budget']: must be a number"),
+        ({"blend_check_share": 0.5}, "['blend_check_share']: applies to pi_reuse=\"blend\" only"),
+        ({"pi_reuse": "blend", "blend_check_share": -0.1}, "['blend_check_share']: must be a"),
+        ({"pi_reuse": "blend", "blend_check_share": 2}, "['blend_check_share']: must be a number"),
+        ({"pi_reuse": "blend", "blend_check_share": "1%"}, "['blend_check_share']: must be a"),
+        ({"rope_override": {}}, "['rope_override']: must be a non-empty object"),
+        ({"rope_override": 10000}, "['rope_override']: must be a non-empty object"),
     ],
 )
 def test_bad_blend_settings_name_the_key(extra: dict[str, Any], message: str) -> None:

@@ -22,8 +22,11 @@ WITHOUT_VLLM = (
     "compat",
     "config",
     "errors",
+    "gate",
     "layout",
     "metadata",
+    "plain",
+    "quality",
     "scheduler",
     "worker",
 )

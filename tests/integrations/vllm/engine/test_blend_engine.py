@@ -33,6 +33,7 @@ import grpc
 import pytest
 
 from nopecache.proto import cache_pb2, cache_pb2_grpc
+from tests.support.blend_checks import gate_verdict, wait_for_checks
 from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
 from tests.support.engine_proc import EngineFactory
 from tests.support.kernel_probe import KernelProbe
@@ -148,7 +149,13 @@ def test_uncached_report_is_the_baseline(
 ) -> None:
     every = engines(
         dtype="float32",
-        connector=_connector(server, recompute_policy="first_k", recompute_budget=1.0, save=False),
+        connector=_connector(
+            server,
+            recompute_policy="first_k",
+            recompute_budget=1.0,
+            save=False,
+            blend_check_share=1.0,
+        ),
         env=probe.env(),
     )
     prompt = _report_prompt(every, "Which fact of yours helps a passenger of line 3 most?")
@@ -162,7 +169,12 @@ def test_uncached_report_is_the_baseline(
 def test_chat_with_system_prompt_first_is_stored(
     engines: EngineFactory, server: CacheServerProc, state: dict[str, Any]
 ) -> None:
-    a = engines(dtype="float32", prefix_caching=True, connector=_connector(server))
+    a = engines(
+        dtype="float32", prefix_caching=True, connector=_connector(server, blend_check_share=0.0)
+    )
+    # SmolLM2 passes the correctness gate at the default policy and budget (gate.py).
+    verdict = gate_verdict(a.log_path)
+    assert verdict.passed and verdict.policy == "first_k(0.15)", verdict.line
     chat = list(
         a.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
     )
@@ -201,6 +213,17 @@ def test_all_recompute_blend_equals_vllms_own_logits(state: dict[str, Any]) -> N
         worst = max(worst, *(abs(mine[t] - ref[t]) for t in ref))
     print(f"all-recompute blend vs vLLM: largest logprob difference {worst:.2e}")
     assert worst <= LOGPROB_TOL, f"logprobs differ by {worst}"
+
+
+def test_sampled_check_of_an_all_recompute_blend_finds_no_divergence(
+    state: dict[str, Any],
+) -> None:
+    # ALL checks every blended request (blend_check_share 1) in the background: its
+    # blend is vLLM's arithmetic, so the plain-torch full prefill agrees with it.
+    checks = wait_for_checks(state["every"], 1)
+    assert checks.count == 1
+    assert 0.0 <= checks.kl_mean < 1e-3  # fp32 rounding; a wrong row costs > 0.1
+    assert checks.top1_mean == 1.0
 
 
 def test_report_before_system_prompt_reuses_it(state: dict[str, Any]) -> None:
@@ -297,3 +320,12 @@ def test_blend_after_an_exact_prefix_local_or_loaded(state: dict[str, Any]) -> N
     assert _delta(after_all, before_all, "loaded_exact_tokens") == 0
     assert out["ids"]
     state.update(exact=exact)
+
+
+def test_share_zero_checks_nothing(state: dict[str, Any]) -> None:
+    # A (blend_check_share 0) blended three requests above and ran its steps since:
+    # no check was sampled, no histogram observed.
+    metrics = state["a"].metrics()
+    assert metrics.get("vllm:nopecache_blend_kl:count", 0.0) == 0.0
+    assert metrics.get("vllm:nopecache_blend_top1:count", 0.0) == 0.0
+    assert metrics.get("vllm:nopecache_blend_checks", 0.0) == 0.0

@@ -186,3 +186,32 @@ def test_worker_finds_the_served_model_by_its_attention_layers() -> None:
     assert find_model({name: other.get_submodule(name) for name in names}) is other
     with pytest.raises(BlendUnavailableError, match="0 module trees"):
         find_model({"model.layers.0.self_attn.attn": Attn()})
+
+
+def test_rope_override_replaces_the_described_rope(model_dir: str) -> None:
+    own = model_identity(_vllm_config(model_dir, dtype="float32"))
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}
+    moved = model_identity(_vllm_config(model_dir, dtype="float32"), rope_override=linear)
+    assert moved.rope.scaling_type == "linear"
+    assert moved.rope.inv_freq == tuple(f / 2 for f in own.rope.inv_freq)
+    # Another description, other keys: blocks of the two never mix.
+    assert moved.fingerprint.digest() != own.fingerprint.digest()
+    with pytest.raises(ConnectorConfigError, match=r"\['rope_override'\]: unknown rope type"):
+        model_identity(
+            _vllm_config(model_dir, dtype="float32"), rope_override={"rope_type": "sideways"}
+        )
+
+
+def test_a_worker_refusal_puts_the_scheduler_in_prefix_mode(model_dir: str) -> None:
+    from nopecache.integrations.vllm.connector import NopecacheHandshake
+
+    connector = _connector(model_dir, KVConnectorRole.SCHEDULER, {"url": URL, "pi_reuse": "blend"})
+    try:
+        side = connector._scheduler_side()
+        assert side.blend and side.policy is not None
+        connector.set_xfer_handshake_metadata({0: NopecacheHandshake(None)})
+        assert side.blend  # a worker that blends changes nothing
+        connector.set_xfer_handshake_metadata({0: NopecacheHandshake("gate refused: ...")})
+        assert not side.blend and side.policy is None
+    finally:
+        connector.shutdown()
