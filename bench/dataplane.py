@@ -21,6 +21,7 @@ GB/s = 10^9 bytes of K and V payload per second::
               (the default across hosts): Get payloads over the bulk byte stream,
               verification (checksums, key, fingerprint, tokens), placement into a
               vLLM-layout paged cache (16-slot pages, shuffled block table)
+    net4      the same over four bulk streams (bulk_streams=4: keys dealt out in turn)
     samehost  the same with shm=on (the default for a server on this host): zero copy,
               blocks placed straight from the client's read-only mapping of the server's
               pool under read leases (checked: every block of the timed runs leased)
@@ -39,6 +40,7 @@ session, buffers and kernels at construction) and times its first lookup + fetch
 SmolLM2 1024 tokens against the best of the next five: ``cold_vs_warm``.
 
 RESULT keys: ``tcp_gbps``, ``fetch_gbps`` (net: the default network path),
+``streams4_vs_1`` (geometric mean of net4 / net over the cases of more than one block),
 ``samehost_gbps``, ``put_gbps`` (the bulk stream), ``put_grpc_gbps`` and ``grpc_gbps``
 (the gRPC fallbacks) are geometric means over the cases; ``fetch_vs_tcp``, ``put_vs_tcp``,
 ``grpc_vs_tcp`` and ``samehost_vs_memcpy`` geometric means of the per-case ratios;
@@ -79,6 +81,7 @@ RESULT_KEYS = (
     "fetch_gbps",
     "fetch_vs_tcp",
     "fetch_scaling",
+    "streams4_vs_1",
     "samehost_gbps",
     "samehost_vs_memcpy",
     "cold_vs_warm",
@@ -131,8 +134,8 @@ class Model:
 
     def client(self, address: str, path: str, namespace: str) -> CacheClient:
         """A client of this shape whose Gets take ``path`` ("grpc", "net": the bulk
-        stream, "samehost": shared memory, or "auto": the defaults); the cost model is
-        off (every hit is fetched)."""
+        stream, "net4": four bulk streams, "samehost": shared memory, or "auto": the
+        defaults); the cost model is off (every hit is fetched)."""
         config = ClientConfig(
             servers=(address,),
             get_timeout_s=120.0,
@@ -140,6 +143,7 @@ class Model:
             cost=CostConfig(enabled=False),
             shm={"samehost": "on", "auto": "auto"}.get(path, "off"),  # type: ignore[arg-type]
             bulk="off" if path == "grpc" else "auto",
+            bulk_streams=4 if path == "net4" else 1,
             namespace=namespace,
         )
         return CacheClient(
@@ -307,6 +311,7 @@ def measure(model: Model, addr: str, tokens: int, reps: int) -> dict[str, float]
         "tcp": lambda: tcp_seconds(nbytes, reps),
         "memcpy": lambda: memcpy_seconds(nbytes, reps),
         "net": lambda: fetch_seconds(model, addr, "net", kv, into, reps),
+        "net4": lambda: fetch_seconds(model, addr, "net4", kv, into, reps),
         "samehost": lambda: fetch_seconds(model, addr, "samehost", kv, into, reps),
         "grpc": lambda: fetch_seconds(model, addr, "grpc", kv, into, reps),
         "put": lambda: put_seconds(model, addr, "net", kv, reps),
@@ -365,7 +370,7 @@ def main() -> None:
     capacity = f"{math.ceil(max(largest * 1.5, 8 * largest_block) / 2**20)}MiB"
     print(f"torch threads {torch.get_num_threads()}; server capacity {capacity}")
     print(
-        f"{'case':>16} {'MiB':>6} {'tcp':>6} {'net':>6} {'memcpy':>7} {'samehost':>8} "
+        f"{'case':>16} {'MiB':>6} {'tcp':>6} {'net':>6} {'net4':>6} {'memcpy':>7} {'samehost':>8} "
         f"{'grpc':>6} {'put':>6} {'putgrpc':>7}   GB/s   {'be_net':>7} {'be_same':>7} tok/s"
     )
     rows: dict[tuple[str, int], dict[str, float]] = {}
@@ -380,7 +385,7 @@ def main() -> None:
             )
             print(
                 f"{model.name + ' ' + str(tokens):>16} {row['mib']:6.1f} "
-                f"{row['tcp']:6.2f} {row['net']:6.2f} {row['memcpy']:7.2f} "
+                f"{row['tcp']:6.2f} {row['net']:6.2f} {row['net4']:6.2f} {row['memcpy']:7.2f} "
                 f"{row['samehost']:8.2f} {row['grpc']:6.2f} {row['put']:6.2f} "
                 f"{row['putgrpc']:7.2f}          {be}",
                 flush=True,
@@ -418,11 +423,15 @@ def main() -> None:
         if any(len(v) > 1 for v in sizes.values())
         else math.nan
     )
+    # Four streams split a Get only when it has several blocks (256 tokens each).
+    multi = [r["net4"] / r["net"] for (_, n), r in rows.items() if n > PREFIX_BLOCK]
+    streams4_vs_1 = geomean(multi) if multi else float("nan")
     be_same = geomean([breakeven(r["samehost"]) for r in llama])
     be_net = geomean([breakeven(r["net"]) for r in llama])
     print(
         f"RESULT tcp_gbps={mean['tcp']:.3f} fetch_gbps={mean['net']:.3f} "
         f"fetch_vs_tcp={fetch_vs_tcp:.3f} fetch_scaling={scaling:.3f} "
+        f"streams4_vs_1={streams4_vs_1:.3f} "
         f"samehost_gbps={mean['samehost']:.3f} samehost_vs_memcpy={samehost_vs_memcpy:.3f} "
         f"cold_vs_warm={cold_vs_warm:.3f} put_gbps={mean['put']:.3f} put_vs_tcp={put_vs_tcp:.3f} "
         f"put_grpc_gbps={mean['putgrpc']:.3f} grpc_gbps={mean['grpc']:.3f} "
