@@ -52,6 +52,8 @@ Policies here:
                            default, ``DEFAULT_POLICY``)
 ``selective(...)``         the general form: check layer, score, start share, ranking
 ``question(budget, ...)``  ranked by the question's attention (``question.py``)
+``relevance(budget, ...)``  chunk starts shared out over the chunks by the question's
+                           attention (``relevance.py``)
 =========================  =====================================================
 """
 
@@ -689,6 +691,13 @@ def _question(budget: float) -> RecomputePolicy:
     return question_default(budget)
 
 
+def _relevance(budget: float) -> RecomputePolicy:
+    # relevance.py builds on this module; imported when first named.
+    from nopecache.recompute.relevance import relevance
+
+    return relevance(budget)
+
+
 POLICY_FACTORIES: dict[str, Callable[[float], RecomputePolicy]] = {
     "none": lambda budget: none(),
     "first_k": first_k,
@@ -697,6 +706,7 @@ POLICY_FACTORIES: dict[str, Callable[[float], RecomputePolicy]] = {
     "taper": taper,
     "selective": selective,
     "question": _question,
+    "relevance": _relevance,
 }
 """The policies by factory name, each built from a budget (what an engine's config names)."""
 

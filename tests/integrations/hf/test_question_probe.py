@@ -21,6 +21,7 @@ from nopecache.recompute.policies import (
     Schedule,
 )
 from nopecache.recompute.question import question
+from nopecache.recompute.relevance import relevance
 from nopecache.recompute.selective import run_selective
 from tests.support.hf_store import InProcessStore
 from tests.support.local_model import load_model
@@ -171,3 +172,46 @@ def test_prescan_chooses_the_same_tokens_inside_the_prompt_and_from_a_lookahead(
     assert torch.allclose(v, full.v[:, :END], atol=1e-4)
     chosen = (full.k[-1, len(HEAD) : END] != reused.k[-1, len(HEAD) : END]).any(-1).any(-1)
     assert int(chosen.sum()) == 8 and chosen[:4].all()
+
+
+def test_relevance_shares_the_same_way_inside_the_prompt_and_from_a_lookahead(
+    engine: HFEngine,
+) -> None:
+    # Two chunks: the per-chunk shares come from the question's attention at layer 0.
+    other = torch.randint(300, 40000, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    store = InProcessStore(engine, prefix_block_tokens=8)
+    for chunk in (CHUNK, other):
+        store.store(chunk, engine.chunk_kv(chunk), prefix=False)
+    end = len(HEAD) + len(CHUNK) + len(other)
+    prompt = HEAD + CHUNK + other + QUESTION
+    reused = store.reuse(prompt, [len(HEAD), END, end])
+    assert reused is not None and reused.layout.num_pi == len(CHUNK) + len(other)
+    assert len(reused.layout.chunks) == 2
+    policy = relevance(0.25, 0.5, "question")
+    full = engine.prefill(prompt, reused, policy)
+    # round(0.25 * 56) = 14 tokens at every layer: 7 first tokens (4 and 3), 7 shared out.
+    assert full.recomputed.tolist() == [14] * engine.stack.num_layers
+    assert full.recompute_fraction == 0.25
+
+    layout = ReuseLayout(end, 0, reused.layout.chunks)
+    k = torch.empty(engine.stack.kv_shape(end))
+    v = torch.empty(engine.stack.kv_shape(end))
+    rows = layout.reused_mask().nonzero().squeeze(1)
+    k[:, rows], v[:, rows] = reused.k[:, rows], reused.v[:, rows]
+    ids = torch.tensor(prompt)
+    run = run_selective(
+        _HFStackRun(engine.stack, len(prompt), False),
+        _BufferKV(k, v, reused.k[:, :end], reused.v[:, :end]),
+        ids[:end],
+        layout,
+        policy,
+        output=False,
+        lookahead=ids[end:],
+    )
+    assert run.recomputed.tolist() == full.recomputed.tolist()
+    assert torch.allclose(k, full.k[:, :end], atol=1e-4)
+    assert torch.allclose(v, full.v[:, :end], atol=1e-4)
+    at = slice(len(HEAD), end)
+    chosen = (full.k[-1, at] != reused.k[-1, at]).any(-1).any(-1)
+    assert int(chosen.sum()) == 14
+    assert chosen[:4].all() and chosen[len(CHUNK) : len(CHUNK) + 3].all()  # the floor
