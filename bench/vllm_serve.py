@@ -429,6 +429,12 @@ def main() -> None:
                 started.stop_now([lmcache])
             results[name] = result
             r = result
+            load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+            print(
+                f"{name}: machine load {load} (1/5/15 min) as the replay ended: ratios "
+                "between configurations assume a similar load",
+                flush=True,
+            )
             print(
                 f"{name}: {len(r.done)}/{len(r.outcomes)} done in {r.wall:.1f} s, "
                 f"{r.rps:.3f} req/s, TTFT p50 {r.ttft(0.5) * 1e3:.0f} ms p99 "
