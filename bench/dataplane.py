@@ -21,8 +21,10 @@ GB/s = 10^9 bytes of K and V payload per second::
               (the default across hosts): Get payloads over the bulk byte stream,
               verification (checksums, key, fingerprint, tokens), placement into a
               vLLM-layout paged cache (16-slot pages, shuffled block table)
-    samehost  the same with shm=on (the default for a server on this host): blocks land in
-              the client's shared-memory segment and are placed from there
+    net4      the same over four bulk streams (bulk_streams=4: keys dealt out in turn)
+    samehost  the same with shm=on (the default for a server on this host): zero copy,
+              blocks placed straight from the client's read-only mapping of the server's
+              pool under read leases (checked: every block of the timed runs leased)
     grpc      the same with shm=off, bulk=off: gRPC Get streams (the TLS path)
     put       CacheClient.store of fresh blocks (Lookup, encode, Put), shm=off, bulk=auto
               (the default): blocks sent over the bulk byte stream
@@ -38,6 +40,7 @@ session, buffers and kernels at construction) and times its first lookup + fetch
 SmolLM2 1024 tokens against the best of the next five: ``cold_vs_warm``.
 
 RESULT keys: ``tcp_gbps``, ``fetch_gbps`` (net: the default network path),
+``streams4_vs_1`` (geometric mean of net4 / net over the cases of more than one block),
 ``samehost_gbps``, ``put_gbps`` (the bulk stream), ``put_grpc_gbps`` and ``grpc_gbps``
 (the gRPC fallbacks) are geometric means over the cases; ``fetch_vs_tcp``, ``put_vs_tcp``,
 ``grpc_vs_tcp`` and ``samehost_vs_memcpy`` geometric means of the per-case ratios;
@@ -78,6 +81,7 @@ RESULT_KEYS = (
     "fetch_gbps",
     "fetch_vs_tcp",
     "fetch_scaling",
+    "streams4_vs_1",
     "samehost_gbps",
     "samehost_vs_memcpy",
     "cold_vs_warm",
@@ -130,8 +134,8 @@ class Model:
 
     def client(self, address: str, path: str, namespace: str) -> CacheClient:
         """A client of this shape whose Gets take ``path`` ("grpc", "net": the bulk
-        stream, "samehost": shared memory, or "auto": the defaults); the cost model is
-        off (every hit is fetched)."""
+        stream, "net4": four bulk streams, "samehost": shared memory, or "auto": the
+        defaults); the cost model is off (every hit is fetched)."""
         config = ClientConfig(
             servers=(address,),
             get_timeout_s=120.0,
@@ -139,6 +143,7 @@ class Model:
             cost=CostConfig(enabled=False),
             shm={"samehost": "on", "auto": "auto"}.get(path, "off"),  # type: ignore[arg-type]
             bulk="off" if path == "grpc" else "auto",
+            bulk_streams=4 if path == "net4" else 1,
             namespace=namespace,
         )
         return CacheClient(
@@ -244,7 +249,11 @@ def fetch_seconds(model: Model, address: str, path: str, kv: KV, into: PagedKV, 
 
         seconds = best_of(reps, fetch)
         if path == "samehost":
-            assert client.core.shm is not None and client.core.shm.stats().grpc_blocks == 0
+            shm = client.core.shm
+            assert shm is not None
+            stats = shm.stats()
+            # Every block came straight from the pool (none copied by a fallback path).
+            assert stats.copied_blocks == 0 and stats.leased_blocks > 0, stats
     assert failed == [0] * len(failed), "blocks failed to fetch"
     for caches, want in ((into.k_caches, k), (into.v_caches, v)):
         assert caches is not None
@@ -302,6 +311,7 @@ def measure(model: Model, addr: str, tokens: int, reps: int) -> dict[str, float]
         "tcp": lambda: tcp_seconds(nbytes, reps),
         "memcpy": lambda: memcpy_seconds(nbytes, reps),
         "net": lambda: fetch_seconds(model, addr, "net", kv, into, reps),
+        "net4": lambda: fetch_seconds(model, addr, "net4", kv, into, reps),
         "samehost": lambda: fetch_seconds(model, addr, "samehost", kv, into, reps),
         "grpc": lambda: fetch_seconds(model, addr, "grpc", kv, into, reps),
         "put": lambda: put_seconds(model, addr, "net", kv, reps),
@@ -329,6 +339,12 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: small cases of both shapes, one pass"
     )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max(SIZES),
+        help="skip the cases above this many tokens (a full run needs ~10 GiB of memory)",
+    )
     parser.add_argument("--cold-child", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold_child:
@@ -339,15 +355,22 @@ def main() -> None:
     if args.quick:
         args.reps = 1
         sizes = dict(QUICK_SIZES)
+    if args.max_tokens < min(min(v) for v in sizes.values()):
+        parser.error(f"--max-tokens: {args.max_tokens} leaves no case")
+    sizes = {name: tuple(n for n in ns if n <= args.max_tokens) for name, ns in sizes.items()}
     cases = [(m, n) for m in models for n in sizes[m.name]]
     largest = max(m.layers * m.heads * m.dim * 2 * 2 * n for m, n in cases)
+    largest_block = max(m.layers * m.heads * m.dim * 2 * 2 * PREFIX_BLOCK for m, _ in cases)
     # Room for one case's blocks and headers: each case stores its blocks before its
     # fetches (the put runs' fresh blocks then push them out); no more, since a 16k-token
-    # Llama-3-8B case is 2 GiB and the pool's pages stay resident once written.
-    capacity = f"{math.ceil(largest * 1.5 / 2**20)}MiB"
+    # Llama-3-8B case is 2 GiB and the pool's pages stay resident once written. At least
+    # eight of the largest blocks, so that the default zero-copy share (a quarter of the
+    # pool) holds two: a same-host fetch larger than the share is leased in rounds, as
+    # placed blocks release theirs, like on a server whose pool is shared.
+    capacity = f"{math.ceil(max(largest * 1.5, 8 * largest_block) / 2**20)}MiB"
     print(f"torch threads {torch.get_num_threads()}; server capacity {capacity}")
     print(
-        f"{'case':>16} {'MiB':>6} {'tcp':>6} {'net':>6} {'memcpy':>7} {'samehost':>8} "
+        f"{'case':>16} {'MiB':>6} {'tcp':>6} {'net':>6} {'net4':>6} {'memcpy':>7} {'samehost':>8} "
         f"{'grpc':>6} {'put':>6} {'putgrpc':>7}   GB/s   {'be_net':>7} {'be_same':>7} tok/s"
     )
     rows: dict[tuple[str, int], dict[str, float]] = {}
@@ -362,7 +385,7 @@ def main() -> None:
             )
             print(
                 f"{model.name + ' ' + str(tokens):>16} {row['mib']:6.1f} "
-                f"{row['tcp']:6.2f} {row['net']:6.2f} {row['memcpy']:7.2f} "
+                f"{row['tcp']:6.2f} {row['net']:6.2f} {row['net4']:6.2f} {row['memcpy']:7.2f} "
                 f"{row['samehost']:8.2f} {row['grpc']:6.2f} {row['put']:6.2f} "
                 f"{row['putgrpc']:7.2f}          {be}",
                 flush=True,
@@ -391,16 +414,24 @@ def main() -> None:
     grpc_vs_tcp = geomean([r["grpc"] / r["tcp"] for r in all_rows])
     put_vs_tcp = geomean([r["put"] / r["tcp"] for r in all_rows])
     samehost_vs_memcpy = geomean([r["samehost"] / r["memcpy"] for r in all_rows])
-    scaling = min(
-        rows[m.name, sizes[m.name][-1]]["net"] / rows[m.name, sizes[m.name][-2]]["net"]
-        for m in models
-        if len(sizes[m.name]) > 1
+    scaling = (
+        min(
+            rows[m.name, sizes[m.name][-1]]["net"] / rows[m.name, sizes[m.name][-2]]["net"]
+            for m in models
+            if len(sizes[m.name]) > 1
+        )
+        if any(len(v) > 1 for v in sizes.values())
+        else math.nan
     )
+    # Four streams split a Get only when it has several blocks (256 tokens each).
+    multi = [r["net4"] / r["net"] for (_, n), r in rows.items() if n > PREFIX_BLOCK]
+    streams4_vs_1 = geomean(multi) if multi else float("nan")
     be_same = geomean([breakeven(r["samehost"]) for r in llama])
     be_net = geomean([breakeven(r["net"]) for r in llama])
     print(
         f"RESULT tcp_gbps={mean['tcp']:.3f} fetch_gbps={mean['net']:.3f} "
         f"fetch_vs_tcp={fetch_vs_tcp:.3f} fetch_scaling={scaling:.3f} "
+        f"streams4_vs_1={streams4_vs_1:.3f} "
         f"samehost_gbps={mean['samehost']:.3f} samehost_vs_memcpy={samehost_vs_memcpy:.3f} "
         f"cold_vs_warm={cold_vs_warm:.3f} put_gbps={mean['put']:.3f} put_vs_tcp={put_vs_tcp:.3f} "
         f"put_grpc_gbps={mean['putgrpc']:.3f} grpc_gbps={mean['grpc']:.3f} "

@@ -44,9 +44,12 @@ import socket
 import time
 from collections.abc import Callable
 
-import numpy as np
-
-from nopecache.cache_server.bulk_limits import BufferPool, BulkAdmission, send_progressing
+from nopecache.cache_server.bulk_limits import (
+    BufferPool,
+    BulkAdmission,
+    ReceiveBuffers,
+    send_progressing,
+)
 from nopecache.cache_server.codes import put_reply
 from nopecache.cache_server.config import ServerConfig
 from nopecache.cache_server.inflight import InflightBudget, Lease
@@ -113,6 +116,8 @@ class BulkServer:
         )
         # Idle send buffers kept for reuse: two of the largest blocks.
         self.buffers = BufferPool(2 * config.max_block_bytes)
+        # Idle receive buffers of PUT blocks kept for reuse: two of the largest blocks.
+        self.receive_buffers = ReceiveBuffers(2 * config.max_block_bytes)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -257,15 +262,18 @@ class BulkServer:
         them (nothing is stored before the last block is in)."""
         intake = self._puts.intake(tenant, lease, BULK_WORDING)
         # Each block is verified (a checksum pass, off the loop) while the next one is
-        # received; its buffer is uninitialised memory (np.empty: no zero-fill pass, the
-        # socket writes every byte).
+        # received; its buffer comes from the receive pool (pages already mapped, no
+        # zero-fill) and goes back once the PUT is stored (the tiers copy what they keep)
+        # or given up.
         checks: list[asyncio.Task[None]] = []
+        blobs: list[memoryview] = []
         try:
             with self._metrics.latency["Put"].time():
                 for _ in range(count):
                     size, key = BLOCK.unpack(await self._recv(loop, conn, lease, BLOCK.size))
                     position = await intake.open_block(key, size)
-                    blob = np.empty(size, dtype=np.uint8).data
+                    blob = self.receive_buffers.take(size)
+                    blobs.append(blob)
                     # An open block: its room may be reclaimed while the sender stalls.
                     await self._recv_into(loop, conn, lease, blob, reclaimable=True)
                     checks.append(loop.create_task(intake.complete(key, blob, position)))
@@ -274,6 +282,10 @@ class BulkServer:
         finally:
             for check in checks:
                 check.cancel()
+            # A cancelled check's thread may still be reading its blob: harmless, it only
+            # reads, and nothing uses its answer.
+            for blob in blobs:
+                self.receive_buffers.give_back(blob)
 
     async def _get(
         self,

@@ -17,7 +17,9 @@ shares. What one listener allows::
                  option, then close
     buffers      a connection borrows a send buffer for one GET and gives it back when
                  the GET is sent; the pool keeps at most ``pool_bytes`` of idle buffers,
-                 so an idle connection holds none (it kept its largest block's size)
+                 so an idle connection holds none (it kept its largest block's size);
+                 a PUT's blocks arrive in receive buffers taken from ``ReceiveBuffers``
+                 and given back once the PUT is stored (at most ``pool_bytes`` idle)
 
 Concurrency: the server's event loop only.
 """
@@ -31,11 +33,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from nopecache.cache_server.inflight import Lease
 from nopecache.cache_server.tenants import Tenant
 from nopecache.cache_server.transfer_get import SendBuffer
 
-__all__ = ["BufferPool", "BulkAdmission", "Redeemed", "send_progressing"]
+__all__ = ["BufferPool", "BulkAdmission", "ReceiveBuffers", "Redeemed", "send_progressing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +185,47 @@ class BufferPool:
         if self.idle_bytes + len(buffer.data) <= self.pool_bytes:
             self._idle.append(buffer)
             self._idle.sort(key=lambda b: len(b.data))
+
+
+# Receive buffers come in size classes of this grain (blocks within it share buffers).
+_RECEIVE_GRAIN = 1024 * 1024
+
+
+class ReceiveBuffers:
+    """Receive buffers of PUT blocks, reused instead of freed; at most ``pool_bytes`` idle.
+
+    Why: a block-sized buffer past glibc's 32 MiB mmap threshold is a fresh mapping each
+    time, which the kernel zero-fills page by page as the socket writes into it and
+    unmaps afterwards: a hidden extra pass over every byte (a 32 MiB block of Llama-3-8B
+    KV is just over it). A reused buffer has its pages already. New buffers are
+    uninitialised (``np.empty``: the socket writes every byte before anything reads).
+    """
+
+    def __init__(self, pool_bytes: int) -> None:
+        self.pool_bytes = pool_bytes
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self.idle_bytes = 0
+
+    def take(self, size: int) -> memoryview:
+        """A writable view of exactly ``size`` bytes (contents undefined)."""
+        grain = -(-size // _RECEIVE_GRAIN) * _RECEIVE_GRAIN
+        idle = self._idle.get(grain)
+        if idle:
+            self.idle_bytes -= grain
+            buffer = idle.pop()
+        else:
+            buffer = np.empty(grain, dtype=np.uint8)
+        return buffer.data[:size]
+
+    def give_back(self, view: memoryview) -> None:
+        """Keep the buffer behind ``view`` (from ``take``, no longer read) if there is room."""
+        buffer = view.obj
+        if not isinstance(buffer, np.ndarray):
+            return
+        grain = buffer.nbytes
+        if self.idle_bytes + grain <= self.pool_bytes:
+            self._idle.setdefault(grain, []).append(buffer)
+            self.idle_bytes += grain
 
 
 async def send_progressing(

@@ -295,7 +295,45 @@ class ServerConfig:
         ),
     )
 
+    # -- same-host zero copy (docs/data-plane.md) ---------------------------------------------
+    zero_copy: bool = field(
+        default=True,
+        metadata=_opt(
+            _BOOL,
+            "offer same-host clients of the only tenant a read-only mapping of the cpu:// "
+            "tier's pool and read leases of its pages (auth with several tenants: never)",
+        ),
+    )
+    zero_copy_share: float = field(
+        default=0.25,
+        metadata=_opt(
+            _FLOAT,
+            "most of the cpu:// tier's pool that clients' read leases may hold at once, in "
+            "(0, 0.5]; past it a Get takes the copying paths",
+            "FRACTION",
+        ),
+    )
+    zero_copy_lease_ttl_s: float = field(
+        default=30.0,
+        metadata=_opt(
+            _FLOAT,
+            "a client's read lease ends this long after it was granted unless released "
+            "first (a crashed client's pages come back then), in [0.05, 3600]",
+            "SECONDS",
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if not 0 < self.zero_copy_share <= 0.5:
+            raise ConfigError(
+                f"zero_copy_share: must be in (0, 0.5] (the tier lends at most half its "
+                f"pool), got {self.zero_copy_share}"
+            )
+        if not 0.05 <= self.zero_copy_lease_ttl_s <= 3600:
+            raise ConfigError(
+                f"zero_copy_lease_ttl_s: must be in [0.05, 3600] seconds, got "
+                f"{self.zero_copy_lease_ttl_s}"
+            )
         for name in ("host", "metrics_host"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: must not be empty")

@@ -113,6 +113,7 @@ class RunningServer:
         await self.server.stop(grace)
         if self.service.bulk is not None:
             await self.service.bulk.close()
+        await self.service.zero_copy.close()
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -217,6 +218,7 @@ async def start_server(
     try:
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
         service.pins = pins
+        service.offer_zero_copy([t.name for t in gate.tenants])
         calls = CallLimiter(
             SERVICE_NAME,
             tokens=tokens,

@@ -78,12 +78,14 @@ from nopecache.cache_server.refusal import Refusal, bad_request
 from nopecache.cache_server.removals import RemovalFeed
 from nopecache.cache_server.shm import ShmSessions
 from nopecache.cache_server.store import TieredStore
-from nopecache.cache_server.tenants import QuotaLedger, Tenant, own_stats
+from nopecache.cache_server.tenants import ANONYMOUS, QuotaLedger, Tenant, own_stats
 from nopecache.cache_server.tiers import redact_url
 from nopecache.cache_server.transfer_get import GetRules
 from nopecache.cache_server.transfer_put import FRAME_WORDING, PutRules, bad_framing
 from nopecache.cache_server.verify import BlockVerifier
+from nopecache.cache_server.zero_copy import NONCE_TTL_S, ZeroCopy
 from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.arena_layout import LEASE_ID_BYTES, pack_runs
 from nopecache.proto.block import KEY_BYTES
 from nopecache.proto.contract import API_VERSION, SERVICE_NAME
 from nopecache.proto.frames import WireError, decode_put_frame, encode_get_frame
@@ -147,6 +149,11 @@ class KVCacheService:
         )
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
+        # Same-host zero copy (zero_copy.py): offered to the only tenant (offer_zero_copy).
+        self.zero_copy = ZeroCopy(
+            store, share=config.zero_copy_share, ttl_s=config.zero_copy_lease_ttl_s
+        )
+        self.offer_zero_copy(() if config.auth_enabled else (ANONYMOUS.name,))
         # The bulk byte stream (bulk.py), offered by plaintext servers (offer_bulk).
         self.bulk: BulkServer | None = None
         self._tier_names = [t.name for t in store.tiers]
@@ -374,6 +381,86 @@ class KVCacheService:
         assert isinstance(request, pb.DetachShmRequest)
         return pb.DetachShmReply(detached=self.shm.detach(tenant.name, request.session))
 
+    def offer_zero_copy(self, tenants: Sequence[str]) -> None:
+        """Offer the host tier's pool to same-host clients when ``tenants`` (every tenant
+        calls can be tagged with) is one: one mapping shows every tenant's pages."""
+        if not self._config.zero_copy:
+            self.zero_copy.offer_to(None, "zero_copy is off on this server")
+        elif len(tenants) != 1:
+            self.zero_copy.offer_to(
+                None,
+                f"the pool holds the blocks of {len(tenants)} tenants (no per-tenant arenas): "
+                "a mapping is offered only when the server has one tenant",
+            )
+        else:
+            self.zero_copy.offer_to(tenants[0])
+
+    async def OpenArena(
+        self, request: pb.OpenArenaRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenArenaReply:
+        """A one-use nonce for the read-only descriptor of the host tier's pool (zero_copy.py)."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+            assert isinstance(request, pb.OpenArenaRequest)
+            offer = await self.zero_copy.offer(tenant.name, request.pid)
+        except Refusal as r:
+            await self._abort(context, "OpenArena", r)
+        return pb.OpenArenaReply(
+            nonce=offer.nonce,
+            socket=offer.socket,
+            nonce_ttl_ms=int(NONCE_TTL_S * 1000),
+            arena=offer.arena,
+            size=offer.size,
+            refused=offer.refused,
+        )
+
+    async def LeaseGet(
+        self, request: pb.LeaseGetRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaseGetReply:
+        """Where the blocks of the keys lie in the pool, under one read lease."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+            assert isinstance(request, pb.LeaseGetRequest)
+            keys = self.gets.keys(request.keys, "LeaseGetRequest.keys", tenant.namespace)
+            grant = self.zero_copy.grant(tenant.name, request.arena, keys)
+        except Refusal as r:
+            await self._abort(context, "LeaseGet", r)
+        codes = self._codes
+        counts, runs = pack_runs(grant.runs)
+        return pb.LeaseGetReply(
+            leases=b"".join(grant.leases),
+            ttl_ms=int(self.zero_copy.ttl_s * 1000),
+            tiers=bytes(codes[t] if t is not None else 0 for t in grant.tiers),
+            run_counts=counts,
+            runs=runs,
+            tried=grant.tried,
+        )
+
+    async def ReleaseLeases(
+        self, request: pb.ReleaseLeasesRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLeasesReply:
+        """Ends the caller's leases among the ids (unknown ones are counted out)."""
+        tenant = self._resolve(context).tenant
+        try:
+            _refuse_malformed(request)
+            assert isinstance(request, pb.ReleaseLeasesRequest)
+            if len(request.leases) % LEASE_ID_BYTES:
+                raise bad_request(
+                    "bad_leases",
+                    f"ReleaseLeasesRequest.leases: {len(request.leases)} bytes is not a "
+                    f"multiple of the {LEASE_ID_BYTES}-byte lease id",
+                )
+            self.gets.check_count(len(request.leases) // LEASE_ID_BYTES, "leases", "leases")
+        except Refusal as r:
+            await self._abort(context, "ReleaseLeases", r)
+        ids = [
+            request.leases[i : i + LEASE_ID_BYTES]
+            for i in range(0, len(request.leases), LEASE_ID_BYTES)
+        ]
+        return pb.ReleaseLeasesReply(released=self.zero_copy.release(tenant.name, ids))
+
     def offer_bulk(self, host: str) -> BulkServer:
         """Serve Gets over a bulk byte stream too, bound on ``host`` (plaintext servers)."""
         self.bulk = BulkServer(
@@ -523,6 +610,21 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
             service.WatchRemovals,
             request_deserializer=lenient_parser(pb.WatchRemovalsRequest),
             response_serializer=pb.RemovalEvent.SerializeToString,
+        ),
+        "OpenArena": grpc.unary_unary_rpc_method_handler(
+            service.OpenArena,
+            request_deserializer=lenient_parser(pb.OpenArenaRequest),
+            response_serializer=pb.OpenArenaReply.SerializeToString,
+        ),
+        "LeaseGet": grpc.unary_unary_rpc_method_handler(
+            service.LeaseGet,
+            request_deserializer=lenient_parser(pb.LeaseGetRequest),
+            response_serializer=pb.LeaseGetReply.SerializeToString,
+        ),
+        "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
+            service.ReleaseLeases,
+            request_deserializer=lenient_parser(pb.ReleaseLeasesRequest),
+            response_serializer=pb.ReleaseLeasesReply.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

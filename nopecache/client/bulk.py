@@ -9,7 +9,9 @@ source when the server offers the stream (plaintext servers): per call it takes 
 socket (or asks ``OpenBulk`` for a ticket and connects one), sends the keys, and reads
 each block with a blocking ``recv_into`` on a worker thread (one thread hop per block;
 the GIL is released while the kernel copies), so block n is placed while block n+1 is
-still arriving. :meth:`BulkSource.put_blocks` sends one Put stream's blocks (the
+still arriving. With ``ClientConfig.bulk_streams`` > 1 a call deals its keys out over
+that many sockets (key i on socket i % S), each received by its own thread one block
+ahead, and yields them in key order. :meth:`BulkSource.put_blocks` sends one Put stream's blocks (the
 connection has already split them by the server's limits) and reads the server's
 PutReply, on a worker thread. A socket whose call did not finish cleanly is closed,
 never reused.
@@ -28,11 +30,13 @@ Concurrency: calls run on the connection's loop; sockets are used by one call at
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -41,8 +45,9 @@ from google.protobuf.message import DecodeError
 from nopecache.client.buffers import BufferPool
 from nopecache.client.config import split_server
 from nopecache.client.errors import TransportError
-from nopecache.client.transport import ServerConnection
+from nopecache.client.transport import Blob, ServerConnection
 from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.block_parts import EncodedBlock
 from nopecache.proto.bulk import (
     BLOCK,
     ENTRY,
@@ -55,19 +60,22 @@ from nopecache.proto.bulk import (
     hello,
 )
 from nopecache.proto.contract import KEY_BYTES, method_path
-from nopecache.proto.frames import BytesLike
 from nopecache.proto.wire import WireError
 
-__all__ = ["RETRY_S", "BulkSource"]
+__all__ = ["RETRY_S", "RUN_BYTES", "BulkSource"]
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
 _MAX_IDLE = 4
+# A stream's worker thread receives blocks in runs of about this many bytes (one thread
+# hop per run, not per block; a block larger than it is a run of its own). Small enough
+# that placement starts soon after the first bytes arrive.
+RUN_BYTES = 4 * 1024 * 1024
 # A PutReply holds a result (key, outcome, code, reason) per block: far below this.
 _MAX_REPLY_BYTES = 16 * 1024 * 1024
 # Buffers per sendmsg call (POSIX guarantees at least 16; Linux takes 1024).
-_IOV_MAX = 64
+_IOV_MAX = 512
 
 
 class BulkSource:
@@ -77,6 +85,7 @@ class BulkSource:
         """The bulk source of ``conn`` (nothing is opened until the first call)."""
         self._conn = conn
         self._idle: list[socket.socket] = []
+        self._max_idle = max(_MAX_IDLE, conn.config.bulk_streams)
         self._retry_at = 0.0
         self._refused_logged = False
         self.bulk_blocks = 0
@@ -95,14 +104,17 @@ class BulkSource:
             if sock is not None:
                 self._idle.append(sock)
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, quiet: bool, why: str) -> None:
+        if quiet:  # one more stream the server did not give: the stream itself is fine
+            return
         self._retry_at = time.monotonic() + RETRY_S
         if not self._refused_logged:
             self._refused_logged = True
             log.info("nopecache %s: no bulk stream (%s); using gRPC", self._conn.address, why)
 
-    async def _open(self, deadline: float) -> socket.socket | None:
-        """A connected, welcomed socket; None (and gRPC for a while) if there is none."""
+    async def _open(self, deadline: float, *, quiet: bool = False) -> socket.socket | None:
+        """A connected, welcomed socket; None (and gRPC for a while, unless ``quiet``) if
+        there is none."""
         conn = self._conn
         call = conn.channel.unary_unary(
             method_path("OpenBulk"),
@@ -115,55 +127,97 @@ class BulkSource:
             )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self._refuse("the server predates OpenBulk")
+                self._refuse(quiet, "the server predates OpenBulk")
                 return None
             raise  # the server is failing: the connection handles it
         if reply.refused or not reply.port:
-            self._refuse(reply.refused or "no port")
+            self._refuse(quiet, reply.refused or "no port")
             return None
         host, _ = split_server(conn.address)
         try:
             return await asyncio.to_thread(_connect, host, reply.port, reply.ticket, deadline)
         except (OSError, WireError) as e:
-            self._refuse(f"cannot use port {reply.port}: {e}")
+            self._refuse(quiet, f"cannot use port {reply.port}: {e}")
             return None
+
+    async def _socket(
+        self, deadline: float, *, quiet: bool = False
+    ) -> tuple[socket.socket, bool] | None:
+        """(an idle or newly opened socket, whether it was idle); None when the stream is
+        not available (``quiet``: a failure to open one is no reason to stop using the
+        stream: an extra stream that the server's connection limits refuse)."""
+        if self._idle:
+            return self._idle.pop(), True
+        if not self.available:
+            return None
+        try:
+            sock = await self._open(deadline, quiet=quiet)
+        except OSError as e:  # the deadline passed while connecting
+            if quiet:
+                return None
+            raise TransportError(f"bulk stream: {e}") from e
+        return None if sock is None else (sock, False)
+
+    async def _start(
+        self,
+        socks: list[socket.socket],
+        s: int,
+        reused: bool,
+        keys: bytes,
+        deadline: float,
+    ) -> memoryview | None:
+        """Send GET ``keys`` on ``socks[s]`` and receive its first entry (key ``s`` of the
+        call). An idle socket may have died with a restarted server: one fresh try then
+        (it replaces ``socks[s]``). Raises TransportError."""
+        info = self._conn.info
+        assert info is not None
+        tiers, limit = len(info.tier_names), info.limits.max_block_bytes
+        while True:
+            sock = socks[s]
+            try:
+                await asyncio.to_thread(_send, sock, encode_get(keys), deadline)
+                if not keys:
+                    return None  # a GET of no keys is answered by nothing
+                return await asyncio.to_thread(
+                    _receive, sock, self._conn.pool, tiers, limit, s, deadline
+                )
+            except (OSError, WireError) as e:
+                _discard(sock)
+                if not reused:
+                    raise TransportError(f"bulk stream: {e}") from e
+            try:
+                fresh = await self._open(deadline, quiet=True)
+            except OSError as e:
+                raise TransportError(f"bulk stream: {e}") from e
+            if fresh is None:
+                raise TransportError("bulk stream: the server closed it and refused a new one")
+            socks[s], reused = fresh, False
 
     async def __call__(
         self, keys: bytes, timeout: float
     ) -> AsyncIterator[tuple[int, memoryview | None]]:
-        """Stream the blocks of ``keys`` (a BlockSource): bulk when available, else gRPC."""
+        """Stream the blocks of ``keys`` (a BlockSource): bulk when available, else gRPC.
+
+        With ``bulk_streams`` S > 1 and enough keys, S sockets each carry every S-th key
+        (key i on stream i % S), received concurrently (each stream one block ahead of
+        the consumer); blocks are yielded in key order all the same. A stream that
+        breaks raises TransportError (the connection makes the rest misses).
+        """
         deadline = time.monotonic() + timeout
         n = len(keys) // KEY_BYTES
         info = self._conn.info
         assert info is not None
         tiers, limit = len(info.tier_names), info.limits.max_block_bytes
-        pool = self._conn.pool
-        sock: socket.socket | None = None
-        first: memoryview | None = None
-        # An idle socket may have died with a restarted server: one fresh try then.
-        for reused in (True, False):
-            sock = self._idle.pop() if reused and self._idle else None
-            if sock is None:
-                if not self.available:
+        held: list[tuple[socket.socket, bool]] = []
+        first = await self._socket(deadline)
+        if first is not None:
+            held.append(first)
+            while len(held) < min(self._conn.config.bulk_streams, n):
+                extra = await self._socket(deadline, quiet=True)
+                if extra is None:
                     break
-                try:
-                    sock = await self._open(deadline)
-                except OSError as e:  # the deadline passed while connecting
-                    raise TransportError(f"bulk stream: {e}") from e
-                if sock is None:
-                    break
-                reused = False
-            try:
-                await asyncio.to_thread(_send, sock, encode_get(keys), deadline)
-                if n:
-                    first = await asyncio.to_thread(_receive, sock, pool, tiers, limit, 0, deadline)
-                break
-            except (OSError, WireError) as e:
-                _discard(sock)
-                sock = None
-                if not reused:
-                    raise TransportError(f"bulk stream: {e}") from e
-        if sock is None:
+                held.append(extra)
+        if not held:
             self.grpc_calls += 1
             blocks = self._conn.grpc_blocks(keys, timeout)
             try:
@@ -172,16 +226,54 @@ class BulkSource:
             finally:
                 await blocks.aclose()  # type: ignore[attr-defined]  # an async generator
             return
+        streams = len(held)
+        socks = [sock for sock, _ in held]
+        per_key = [keys[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+        starts = [
+            asyncio.ensure_future(
+                self._start(socks, s, reused, b"".join(per_key[s::streams]), deadline)
+            )
+            for s, (_, reused) in enumerate(held)
+        ]
+        # Per stream: blocks received and not yet yielded, and the run being received.
+        ready: list[collections.deque[memoryview | None]] = [
+            collections.deque() for _ in range(streams)
+        ]
+        pending: list[asyncio.Future[list[memoryview | None]] | None] = [None] * streams
         clean = False
-        try:
-            for index in range(n):
-                blob = (
-                    first
-                    if index == 0
-                    else await asyncio.to_thread(
-                        _receive, sock, pool, tiers, limit, index, deadline
-                    )
+
+        def receive_run(s: int, index: int) -> None:
+            """Start receiving stream ``s``'s next run, from call key ``index`` on."""
+            pending[s] = asyncio.ensure_future(
+                asyncio.to_thread(
+                    _receive_run,
+                    socks[s],
+                    self._conn.pool,
+                    tiers,
+                    limit,
+                    range(index, n, streams),
+                    deadline,
                 )
+            )
+
+        try:
+            firsts = await asyncio.gather(*starts)
+            for s, blob in enumerate(firsts):
+                ready[s].append(blob)
+                if s + streams < n:
+                    receive_run(s, s + streams)
+            for index in range(n):
+                s = index % streams
+                if not ready[s]:
+                    future = pending[s]
+                    assert future is not None
+                    run = await future
+                    ready[s].extend(run)
+                    after = index + len(run) * streams  # the stream's first key not in it
+                    pending[s] = None
+                    if after < n:  # its next run arrives while this one is placed
+                        receive_run(s, after)
+                blob = ready[s].popleft()
                 if blob is not None:
                     self.bulk_blocks += 1
                 yield index, blob
@@ -189,13 +281,21 @@ class BulkSource:
         except (OSError, WireError) as e:
             raise TransportError(f"bulk stream: {e}") from e
         finally:
-            if clean and len(self._idle) < _MAX_IDLE:
-                self._idle.append(sock)
-            else:
-                _discard(sock)
+            for sock in socks:
+                if clean and len(self._idle) < self._max_idle:
+                    self._idle.append(sock)
+                else:
+                    _discard(sock)  # wakes a thread still receiving on it
+            futures: list[asyncio.Future[Any] | None] = [*starts, *pending]
+            for future in futures:
+                if future is None:
+                    continue
+                if future.done() and not future.cancelled():
+                    future.exception()  # retrieved: a broken stream's error is reported once
+                future.cancel()
 
     async def put_blocks(
-        self, blobs: Sequence[tuple[bytes, BytesLike]], timeout: float
+        self, blobs: Sequence[tuple[bytes, Blob]], timeout: float
     ) -> pb.PutReply | None:
         """Store one Put stream's ``(key, blob)`` pairs over the bulk stream: the server's
         reply, or None when the stream is not available (the caller uses gRPC).
@@ -225,7 +325,7 @@ class BulkSource:
                 if not reused:
                     raise TransportError(f"bulk stream: {e}") from e
                 continue
-            if len(self._idle) < _MAX_IDLE:
+            if len(self._idle) < self._max_idle:
                 self._idle.append(sock)
             else:
                 _discard(sock)
@@ -319,14 +419,16 @@ def _entry(sock: socket.socket, request: str, deadline: float) -> tuple[int, int
     return code, size
 
 
-def _put(
-    sock: socket.socket, blobs: Sequence[tuple[bytes, BytesLike]], deadline: float
-) -> pb.PutReply:
+def _put(sock: socket.socket, blobs: Sequence[tuple[bytes, Blob]], deadline: float) -> pb.PutReply:
     """Worker thread: send one PUT, then read its reply."""
     parts: list[memoryview] = [memoryview(encode_put(len(blobs)))]
     for key, blob in blobs:
-        view = memoryview(blob).cast("B")
-        parts += (memoryview(BLOCK.pack(view.nbytes, key)), view)
+        if isinstance(blob, EncodedBlock):  # sent from where its parts lie
+            parts.append(memoryview(BLOCK.pack(blob.nbytes, key)))
+            parts += blob.views()
+        else:
+            view = memoryview(blob).cast("B")
+            parts += (memoryview(BLOCK.pack(view.nbytes, key)), view)
     _send_parts(sock, parts, deadline)
     code, size = _entry(sock, "PUT", deadline)
     if code != PUT_REPLY_CODE:
@@ -339,6 +441,28 @@ def _put(
         return pb.PutReply.FromString(bytes(data))
     except DecodeError as e:
         raise WireError(f"bulk PUT reply: not a PutReply: {e}") from e
+
+
+def _receive_run(
+    sock: socket.socket,
+    pool: BufferPool,
+    tiers: int,
+    limit: int,
+    indices: range,
+    deadline: float,
+) -> list[memoryview | None]:
+    """Worker thread: the next blocks of ``indices`` (call key indices, in stream order)
+    until ``RUN_BYTES`` are in (at least one block): one thread hop for a run of small
+    blocks instead of one each."""
+    run: list[memoryview | None] = []
+    got = 0
+    for index in indices:
+        blob = _receive(sock, pool, tiers, limit, index, deadline)
+        run.append(blob)
+        got += 0 if blob is None else blob.nbytes
+        if got >= RUN_BYTES:
+            break
+    return run
 
 
 def _receive(

@@ -163,7 +163,7 @@ class AsyncCacheClient:
         # own fast path; the client detaches its sessions on close.
         self.shm: ShmFastPath | None = fast_path if isinstance(fast_path, ShmFastPath) else None
         if fast_path is None and config.shm != "off":
-            fast_path = self.shm = ShmFastPath(config.shm)
+            fast_path = self.shm = ShmFastPath(config.shm, zero_copy=config.zero_copy)
         self._fast_path = fast_path
         # The bulk byte stream carries Get payloads when the server offers it (plaintext).
         self._data_path = BulkSource if config.bulk == "auto" and not config.use_tls else None

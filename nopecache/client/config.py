@@ -59,6 +59,7 @@ from nopecache.proto.contract import DEFAULT_PORT, METHODS, SERVICE_NAME
 from nopecache.proto.sizes import SizeError, parse_size
 
 __all__ = [
+    "BULK_STREAMS_MAX",
     "DEFAULT_CHUNKER",
     "DEFAULT_CHUNK_AVG_TOKENS",
     "DEFAULT_CHUNK_MAX_TOKENS",
@@ -89,6 +90,8 @@ TLS_SCHEME = "nopecaches"
 # with a server raised to carry a whole block per frame; sends are framed by the limits the
 # server advertises (ServerInfo.limits), never by this number alone.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024**2
+# Bulk connections per Get to one server at most (each is a socket and a thread).
+BULK_STREAMS_MAX = 16
 _MIN_MESSAGE_BYTES = 64 * 1024
 _GRPC_MAX_MESSAGE = (1 << 31) - 1
 # gRPC caps maxAttempts at 5 whatever the config says; refusing more keeps the config honest.
@@ -358,6 +361,12 @@ class ClientConfig:
     # Get and Put payloads over the server's bulk byte stream when it offers one (plaintext
     # servers; "off": always the gRPC streams). See client/bulk.py.
     bulk: BulkMode = "auto"
+    # Same-host zero copy (client/zero_copy.py): where shared memory is used and the server
+    # offers its pool, blocks are placed straight from a read-only mapping of it.
+    zero_copy: bool = True
+    # Bulk connections one Get may use at once to one server (its keys dealt out in turn);
+    # 1 to BULK_STREAMS_MAX. Where one TCP stream cannot fill the link (a long fat path).
+    bulk_streams: int = 1
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Blocks waiting in the non-blocking store queue; a store beyond it is dropped (counted).
     store_queue_blocks: int = 256
@@ -435,6 +444,11 @@ class ClientConfig:
             raise InvalidArgumentError("shm", f"must be one of {_SHM_MODES}, got {self.shm!r}")
         if self.bulk not in ("auto", "off"):
             raise InvalidArgumentError("bulk", f"must be 'auto' or 'off', got {self.bulk!r}")
+        if not isinstance(self.zero_copy, bool):
+            raise InvalidArgumentError(
+                "zero_copy", f"must be True or False, got {self.zero_copy!r}"
+            )
+        _int_in("bulk_streams", self.bulk_streams, 1, BULK_STREAMS_MAX)
         _int_in("max_message_bytes", self.max_message_bytes, _MIN_MESSAGE_BYTES, _GRPC_MAX_MESSAGE)
         _int_in("store_queue_blocks", self.store_queue_blocks, 1, 1 << 20)
         if not isinstance(self.cost, CostConfig):
@@ -500,6 +514,9 @@ class ClientConfig:
             "DetachShm": self.control_timeout_s,
             "OpenBulk": self.control_timeout_s,
             "Stats": self.control_timeout_s,
+            "OpenArena": self.control_timeout_s,
+            "LeaseGet": self.get_timeout_s,
+            "ReleaseLeases": self.control_timeout_s,
         }
 
     def service_config(self, service: str = SERVICE) -> dict[str, Any]:
@@ -697,6 +714,8 @@ URL_PARAMS: dict[str, _Param] = {
     "connect_timeout": _Param("connect_timeout_s", _parse_duration),
     "shm": _Param("shm", _parse_text),
     "bulk": _Param("bulk", _parse_text),
+    "zero_copy": _Param("zero_copy", _parse_bool),
+    "bulk_streams": _Param("bulk_streams", _parse_int),
     "max_message_bytes": _Param("max_message_bytes", _parse_size),
     "store_queue_blocks": _Param("store_queue_blocks", _parse_int),
     "down_backoff": _Param("down_backoff_s", _parse_duration),

@@ -8,6 +8,7 @@ something impossible: a malformed argument, a block of another model.
      +-- InvalidArgumentError   (also a ValueError)
      +-- FingerprintMismatchError
      +-- TransportError         (internal: a server broke the contract; becomes misses)
+     +-- ArenaRefusedError      (internal: no read-only pool mapping; the copy paths serve)
 
 A server's refusal of one block is not an exception either: it is a
 ``StoreResult`` with ``StoreStatus.REJECTED`` and the server's reason (transport.py).
@@ -48,3 +49,9 @@ class TransportError(NopecacheError):
     failure: the server is marked down and its keys become misses; it never reaches the
     engine.
     """
+
+
+class ArenaRefusedError(NopecacheError):
+    """The server gave no descriptor of its pool (same-host zero copy): a nonce that is
+    unknown, used, expired or presented by another process, or a server that offers no
+    pool. The connection takes the copying paths; it never reaches the engine."""

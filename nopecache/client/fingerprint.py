@@ -15,12 +15,22 @@ and length-prefixed (no pickle, no ``hash()``), identical on every process and m
     ..      4+n   model         u32 length + UTF-8
     ..      4+n   revision      u32 length + UTF-8
     ..      4+16  rope_digest   u32 length (16) + RopeSpec.digest()
+
+A *head group* (blocks that hold KV heads ``[kv_head_start, kv_head_start +
+num_kv_heads)`` of a model with ``kv_heads_total`` KV heads: what a tensor-parallel rank
+stores, see ``head_groups.py``) is encoded as version 2, the version-1 bytes followed by::
+
+    ..      4     kv_head_start   u32
+    ..      4     kv_heads_total  u32
+
+A fingerprint of every head (``kv_heads_total == 0``) keeps version 1, so the keys of
+whole-head blocks do not change.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import xxhash
@@ -37,7 +47,9 @@ FINGERPRINT_DIGEST_SIZE = 16
 
 _MAGIC = b"NCFP"
 _VERSION = 1
+_VERSION_HEAD_GROUP = 2
 _HEAD = struct.Struct("<4sBBIII")
+_GROUP = struct.Struct("<II")
 _LEN = struct.Struct("<I")
 _U32_MAX = 2**32 - 1
 
@@ -71,6 +83,9 @@ class ModelFingerprint:
     dtype: str
     form: StoredForm
     rope_digest: bytes
+    # A head group of a model with kv_heads_total KV heads (0: every head, version 1).
+    kv_head_start: int = 0
+    kv_heads_total: int = 0
     # Cached canonical encoding; keys hash the digest of it once per chunk.
     _encoded: bytes = field(init=False, repr=False, compare=False, hash=False)
 
@@ -98,7 +113,41 @@ class ModelFingerprint:
             raise InvalidArgumentError(
                 "rope_digest", f"must be {ROPE_DIGEST_SIZE} bytes (RopeSpec.digest())"
             )
+        self._check_group()
         object.__setattr__(self, "_encoded", self._encode())
+
+    def _check_group(self) -> None:
+        start, total = self.kv_head_start, self.kv_heads_total
+        for name, value in (("kv_head_start", start), ("kv_heads_total", total)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _U32_MAX:
+                raise InvalidArgumentError(name, f"must be an int in [0, 2**32), got {value!r}")
+        if total == 0:
+            if start != 0:
+                raise InvalidArgumentError(
+                    "kv_head_start", f"is {start} but kv_heads_total is 0 (every head)"
+                )
+            return
+        if start + self.num_kv_heads > total:
+            raise InvalidArgumentError(
+                "kv_head_start",
+                f"heads [{start}, {start + self.num_kv_heads}) pass the model's {total}",
+            )
+        if start == 0 and self.num_kv_heads == total:  # every head: one canonical form
+            object.__setattr__(self, "kv_heads_total", 0)
+
+    @property
+    def is_head_group(self) -> bool:
+        """True when the blocks hold some of the model's KV heads, not all."""
+        return self.kv_heads_total != 0
+
+    def head_group(self, start: int, count: int) -> ModelFingerprint:
+        """The fingerprint of blocks holding KV heads ``[start, start + count)`` of these."""
+        if self.is_head_group:
+            raise InvalidArgumentError("head_group", "this fingerprint is a head group already")
+        _check_count("count", count)
+        return replace(
+            self, num_kv_heads=count, kv_head_start=start, kv_heads_total=self.num_kv_heads
+        )
 
     @classmethod
     def from_rope_spec(
@@ -132,10 +181,11 @@ class ModelFingerprint:
         return dt
 
     def _encode(self) -> bytes:
+        version = _VERSION_HEAD_GROUP if self.is_head_group else _VERSION
         parts = [
             _HEAD.pack(
                 _MAGIC,
-                _VERSION,
+                version,
                 int(self.form),
                 self.num_layers,
                 self.num_kv_heads,
@@ -150,6 +200,8 @@ class ModelFingerprint:
         ):
             parts.append(_LEN.pack(len(blob)))
             parts.append(blob)
+        if self.is_head_group:
+            parts.append(_GROUP.pack(self.kv_head_start, self.kv_heads_total))
         return b"".join(parts)
 
     def to_bytes(self) -> bytes:
@@ -171,7 +223,7 @@ class ModelFingerprint:
         magic, version, form, layers, heads, head_dim = _HEAD.unpack_from(buf)
         if magic != _MAGIC:
             raise InvalidArgumentError("data", f"bad magic {magic!r}, expected {_MAGIC!r}")
-        if version != _VERSION:
+        if version not in (_VERSION, _VERSION_HEAD_GROUP):
             raise InvalidArgumentError("data", f"unknown fingerprint encoding v{version}")
         pos = _HEAD.size
         blobs: list[bytes] = []
@@ -184,6 +236,14 @@ class ModelFingerprint:
                 raise InvalidArgumentError("data", f"truncated inside {name}")
             blobs.append(buf[pos : pos + n])
             pos += n
+        group = (0, 0)
+        if version == _VERSION_HEAD_GROUP:
+            if pos + _GROUP.size > len(buf):
+                raise InvalidArgumentError("data", "truncated inside the head group")
+            group = _GROUP.unpack_from(buf, pos)
+            pos += _GROUP.size
+            if group[1] == 0:
+                raise InvalidArgumentError("data", "a version-2 fingerprint with 0 heads in all")
         if pos != len(buf):
             raise InvalidArgumentError("data", f"{len(buf) - pos} trailing bytes")
         try:
@@ -201,4 +261,6 @@ class ModelFingerprint:
             dtype=dtype,
             form=form,
             rope_digest=blobs[3],
+            kv_head_start=group[0],
+            kv_heads_total=group[1],
         )

@@ -77,7 +77,9 @@ class KeyedBlockClient:
         self.metrics = ClientMetrics() if metrics is None else metrics
         self.ring = Rendezvous(config.servers)
         self._pool = BufferPool()
-        self._shm = ShmFastPath(config.shm) if config.shm != "off" else None
+        self._shm = (
+            ShmFastPath(config.shm, zero_copy=config.zero_copy) if config.shm != "off" else None
+        )
         data_path = BulkSource if config.bulk == "auto" and not config.use_tls else None
         # Channels are bound to the loop that creates them: built lazily, on the loop.
         self._connections = {

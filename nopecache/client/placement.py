@@ -43,12 +43,14 @@ CUDA caches: device, stream, host syncs
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from nopecache.client import pinned
 from nopecache.client.chunking import TokenArray
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
@@ -249,6 +251,10 @@ class PagedKV:
         return event
 
 
+# Direct copies from registered memory kept in flight before the oldest is waited for.
+_MAX_DIRECT = 64
+
+
 class StagingRing:
     """Pinned host buffers that carry blocks to a GPU with ``non_blocking`` copies.
 
@@ -267,9 +273,27 @@ class StagingRing:
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
+        # Direct copies in flight: each source is kept (and with it the read lease of the
+        # server's pages it views) until its DMA completed.
+        self._direct: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self.direct_copies = 0  # tensors copied straight from registered memory
 
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``t`` (host) as a new tensor on CUDA ``device``, copied on the current stream."""
+        """``t`` (host) as a new tensor on CUDA ``device``, copied on the current stream:
+        straight from ``t`` when it lies in page-locked memory (``pinned``: the zero-copy
+        mapping of the server's pool), else through the next staging buffer."""
+        while self._direct and self._direct[0][0].query():
+            self._direct.popleft()
+        if t.is_contiguous() and pinned.holds(t.data_ptr(), t.numel() * t.element_size()):
+            out = torch.empty(t.shape, dtype=t.dtype, device=device)
+            out.copy_(t, non_blocking=True)  # one DMA from the registered mapping
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            self._direct.append((done, t))
+            self.direct_copies += 1
+            if len(self._direct) > _MAX_DIRECT:
+                self._direct.popleft()[0].synchronize()
+            return out
         i = self._next
         self._next = (i + 1) % len(self._buffers)
         event = self._events[i]

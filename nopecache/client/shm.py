@@ -77,6 +77,7 @@ import numpy as np
 from nopecache.client.config import ShmMode
 from nopecache.client.errors import InvalidArgumentError, TransportError
 from nopecache.client.transport import BlockSource, ServerConnection, ServerInfo
+from nopecache.client.zero_copy import ZeroCopySource
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.contract import KEY_BYTES, method_path
 from nopecache.proto.frames import GetFrameAssembler
@@ -162,6 +163,10 @@ class ShmStats:
     sessions: int = 0  # attached now
     refused: int = 0  # connections that fell back to gRPC for good
     lost: int = 0  # sessions the server dropped (expiry, restart) while in use
+    leased_bytes: int = 0  # placed straight from the server's pool (zero_copy.py)
+    leased_blocks: int = 0
+    copied_bytes: int = 0  # by the copying paths on a zero-copy connection (not leased)
+    copied_blocks: int = 0
 
 
 class Segment:
@@ -640,8 +645,13 @@ class ShmFastPath:
         name_prefix: str = SEGMENT_PREFIX,
         shm_dir: str = SHM_DIR,
         space_wait_s: float = 2.0,
+        zero_copy: bool = True,
+        cuda_register: bool | None = None,
     ) -> None:
-        """A factory making one segment of ``segment_bytes`` per same-host server."""
+        """A factory making one segment of ``segment_bytes`` per same-host server; with
+        ``zero_copy`` blocks come straight from the server's pool mapped read-only where it
+        offers it (``zero_copy.py``; ``cuda_register``: page-locked for CUDA copies), the
+        segment serving the rest."""
         if mode not in ("auto", "on", "off"):
             raise InvalidArgumentError("mode", f"must be 'auto', 'on' or 'off', got {mode!r}")
         if (
@@ -674,14 +684,34 @@ class ShmFastPath:
         self._blocks = [0, 0]
         self._refused = 0
         self._lost = 0
+        self.zero_copy = zero_copy
+        self.cuda_register = cuda_register
+        self._leased = [0, 0, 0, 0]  # leased bytes, blocks, copied bytes, blocks
+        self.zero_copy_sources: list[ZeroCopySource] = []
 
     def __call__(self, conn: ServerConnection, info: ServerInfo) -> BlockSource | None:
-        """A ShmSource for a server on this host, else None (the connection uses gRPC)."""
+        """A source for a server on this host (zero copy over the segment, or the segment
+        alone), else None (the connection uses gRPC)."""
         if self.mode == "off" or (self.mode == "auto" and info.host_id != self.host_id):
             return None
         source = ShmSource(conn, self)
         self._sources.append(source)
-        return source
+        if not self.zero_copy:
+            return source
+        zero = ZeroCopySource(
+            conn,
+            source,
+            count=self._count_leased,
+            cuda_register=self.cuda_register,
+            space_wait_s=self.space_wait_s,
+        )
+        self.zero_copy_sources.append(zero)
+        return zero
+
+    def _count_leased(self, leased: bool, nbytes: int) -> None:
+        at = 0 if leased else 2
+        self._leased[at] += nbytes
+        self._leased[at + 1] += 1
 
     def _count(self, shm: bool, nbytes: int) -> None:
         self._bytes[shm] += nbytes
@@ -697,9 +727,15 @@ class ShmFastPath:
             sessions=sum(s.attached for s in self._sources),
             refused=self._refused,
             lost=self._lost,
+            leased_bytes=self._leased[0],
+            leased_blocks=self._leased[1],
+            copied_bytes=self._leased[2],
+            copied_blocks=self._leased[3],
         )
 
     async def close(self) -> None:
         """Detach every session and unmap the segments (before the channels close)."""
+        zero, self.zero_copy_sources = self.zero_copy_sources, []
+        await asyncio.gather(*(z.close() for z in zero))  # each closes its ShmSource too
         sources, self._sources = self._sources, []
         await asyncio.gather(*(s.close() for s in sources))

@@ -8,14 +8,16 @@
       Lookup every key, one call per owner    -->
       missing blocks                               K to NOPE form / prefix form: one
                                                    rotation of the whole prompt each
-      per owner, per batch of <= 64 MiB:           encode_block per chunk (K, V slices
-        Put stream of the batch's frames  <----    copied once into the blob)
+      per owner, per batch of <= 64 MiB:           encode_block_parts per chunk (a head,
+        Put of the batch's blocks         <----    K and V slices checksummed in place)
         (StoreResult per block)
 
 It mirrors ``fetching.py``: the loop only moves bytes; rotation and encoding run on the
-client's one worker thread (torch releases the GIL). A block is encoded straight from
-K/V slices into its blob (``encode_block``: one copy) and framed as memoryview slices of
-it (``encode_put_frame``: one more copy into each frame message, gRPC's own).
+client's one worker thread (torch releases the GIL). A block is encoded in parts: its
+head and views of the K/V slices where they lie (``encode_block_parts``: no copy). The
+bulk stream sends them with gathering writes, so the kernel's copy into the socket is
+the only one; the gRPC fallback joins a block (one copy) and frames it
+(``encode_put_frame``: one more copy into each frame message, gRPC's own).
 
 ``store(wait=False)`` queues a job: :class:`StoreBudget` bounds the blocks waiting, and
 at most ``_STORE_CONCURRENCY`` queued stores run at once.
@@ -43,7 +45,8 @@ from nopecache.client.sharding import Rendezvous
 from nopecache.client.transport import ServerConnection, StoreStatus
 from nopecache.kernels import RopeSpec
 from nopecache.kernels.api import Positions, rotate
-from nopecache.proto.block import StoredForm, encode_block
+from nopecache.proto.block import StoredForm
+from nopecache.proto.block_parts import EncodedBlock, encode_block_parts
 
 __all__ = ["KForm", "PreparedStore", "StoreBudget", "StorePipeline", "StoreReport"]
 
@@ -296,7 +299,7 @@ class StorePipeline:
                 for r, (_, blob) in zip(results, blobs, strict=True):
                     if r.status is StoreStatus.STORED:
                         stored += 1
-                        nbytes += len(blob)
+                        nbytes += blob.nbytes
                     elif r.status is StoreStatus.ALREADY_PRESENT:
                         present += 1
                     else:
@@ -321,8 +324,9 @@ class StorePipeline:
         job: PreparedStore,
         forms: tuple[torch.Tensor | None, torch.Tensor | None],
         prefix_keys: set[bytes],
-    ) -> list[tuple[bytes, bytes]]:
-        """Worker thread: the blobs of ``chunks``."""
+    ) -> list[tuple[bytes, EncodedBlock]]:
+        """Worker thread: the blocks of ``chunks``, in parts (views of K and V: nothing
+        copied; the bulk stream sends them as they lie)."""
         nope_k, prefix_k = forms
         positions = (
             _positions_list(job.positions, len(job.tokens))
@@ -337,7 +341,7 @@ class StorePipeline:
             k = prefix_k if is_prefix else nope_k
             assert k is not None
             source = positions[s:e] if fp.form == StoredForm.ROPE else None
-            blob = encode_block(
+            blob = encode_block_parts(
                 key=c.key.value,
                 fingerprint=fp.to_bytes(),
                 form=fp.form,

@@ -62,10 +62,12 @@ from nopecache.client.errors import InvalidArgumentError, TransportError
 from nopecache.client.health import ServerHealth
 from nopecache.client.metrics import ClientMetrics
 from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.block_parts import EncodedBlock
 from nopecache.proto.contract import API_VERSION, KEY_BYTES, method_path
 from nopecache.proto.frames import GetFrameAssembler, WireError, encode_put_frame
 
 __all__ = [
+    "Blob",
     "BlockSink",
     "BlockSource",
     "BufferPool",
@@ -80,6 +82,8 @@ __all__ = [
 ]
 
 BytesLike = bytes | bytearray | memoryview
+Blob = BytesLike | EncodedBlock
+"""A block to store: one buffer, or encoded in parts (sent by a gathering write)."""
 
 # Keepalive pings only while a call is active (idle pings would earn a GOAWAY from servers
 # with default ping policies); they catch a peer that vanished without a reset.
@@ -198,7 +202,7 @@ class BlockSink(Protocol):
     :class:`TransportError` on failure."""
 
     async def put_blocks(
-        self, blobs: Sequence[tuple[bytes, BytesLike]], timeout: float
+        self, blobs: Sequence[tuple[bytes, Blob]], timeout: float
     ) -> pb.PutReply | None: ...
 
 
@@ -479,7 +483,7 @@ class ServerConnection:
         finally:
             call.cancel()
 
-    async def put(self, blobs: Sequence[tuple[bytes, BytesLike]]) -> list[StoreResult]:
+    async def put(self, blobs: Sequence[tuple[bytes, Blob]]) -> list[StoreResult]:
         """Store ``(key, blob)`` pairs; one result per pair, in order. Never raises for the
         server: a failure reports every block not acknowledged as FAILED."""
         results: list[StoreResult | None] = [None] * len(blobs)
@@ -598,18 +602,19 @@ class ServerConnection:
             self._channel = None
 
 
-async def _frames(blobs: Sequence[tuple[bytes, BytesLike]], frame: int) -> AsyncIterator[bytes]:
-    """The PutFrames of ``blobs``, each split into data frames of at most ``frame`` bytes."""
+async def _frames(blobs: Sequence[tuple[bytes, Blob]], frame: int) -> AsyncIterator[bytes]:
+    """The PutFrames of ``blobs``, each split into data frames of at most ``frame`` bytes
+    (a block in parts is joined first: gRPC copies each frame anyway)."""
     for key, blob in blobs:
-        view = memoryview(blob).cast("B")
+        view = memoryview(blob.join() if isinstance(blob, EncodedBlock) else blob).cast("B")
         size = view.nbytes
         yield encode_put_frame(key, size, view[:frame])
         for offset in range(frame, size, frame):
             yield encode_put_frame(b"", 0, view[offset : offset + frame])
 
 
-def _nbytes(blob: BytesLike) -> int:
-    return blob.nbytes if isinstance(blob, memoryview) else len(blob)
+def _nbytes(blob: Blob) -> int:
+    return blob.nbytes if isinstance(blob, memoryview | EncodedBlock) else len(blob)
 
 
 def _count(keys: bytes) -> int:

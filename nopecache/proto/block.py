@@ -407,12 +407,16 @@ def pack(header: BlockHeader, payload: BytesLike) -> bytes:
     return _frame(header, [mv], mv.nbytes)
 
 
-def _frame(header: BlockHeader, parts: Sequence[BytesLike], stored_nbytes: int) -> bytes:
-    """Join prefix, header, padding and payload parts with one copy of the payload."""
+def frame_head(header: BlockHeader, stored_nbytes: int) -> bytes:
+    """A blob's bytes before its payload: prefix, msgpack header and padding."""
     hb = _encode_header(header, stored_nbytes)
     pad = payload_offset(len(hb)) - PREFIX.size - len(hb)
-    prefix = PREFIX.pack(MAGIC, len(hb), xxhash.xxh3_64_intdigest(hb))
-    return b"".join([prefix, hb, bytes(pad), *parts])
+    return PREFIX.pack(MAGIC, len(hb), xxhash.xxh3_64_intdigest(hb)) + hb + bytes(pad)
+
+
+def _frame(header: BlockHeader, parts: Sequence[BytesLike], stored_nbytes: int) -> bytes:
+    """Join prefix, header, padding and payload parts with one copy of the payload."""
+    return b"".join([frame_head(header, stored_nbytes), *parts])
 
 
 def parse(blob: BytesLike) -> tuple[BlockHeader, memoryview]:
@@ -495,7 +499,7 @@ def validate(blob: BytesLike, *, max_payload_bytes: int | None = None) -> BlockH
     return header
 
 
-def _header_of(
+def header_of(
     *,
     key: bytes,
     fingerprint: bytes,
@@ -556,7 +560,7 @@ def build_block(
     ``payload`` may be given in parts (K bytes, V bytes): they are checksummed where they
     lie and copied once, into the blob.
     """
-    header, parts, nbytes = _header_of(
+    header, parts, nbytes = header_of(
         key=key,
         fingerprint=fingerprint,
         form=form,
@@ -593,7 +597,7 @@ def build_block_into(
     """``build_block``'s uncompressed blob, written into ``take(size)`` (a view of exactly
     ``size`` writable bytes): the payload is copied once, into memory the caller reuses,
     so a hot path pays no page faults for a fresh blob. Returns that view, filled."""
-    header, parts, nbytes = _header_of(
+    header, parts, nbytes = header_of(
         key=key,
         fingerprint=fingerprint,
         form=form,
@@ -633,23 +637,6 @@ class DecodedBlock:
     v: torch.Tensor | None
 
 
-def _host_bytes(t: torch.Tensor) -> list[memoryview]:
-    """Raw bytes of ``t`` in C order on the host, in parts: zero-copy for a contiguous CPU
-    tensor, and for a CPU tensor whose every ``t[i]`` is contiguous (a ``[:, s:e]`` token
-    slice of a ``[layers, tokens, ...]`` tensor): one view per layer, which the checksum
-    reads and the blob's join copies where they lie, instead of a layout copy first."""
-    import torch
-
-    t = t.detach()
-    if t.device.type == "cpu" and not t.is_contiguous() and t.dim() > 1:
-        layers = [t[i] for i in range(t.shape[0])]
-        if all(layer.is_contiguous() for layer in layers):
-            return [layer.view(torch.uint8).reshape(-1).numpy().data for layer in layers]
-    # Layout copy on the tensor's own device first (cheap on a GPU), then one transfer.
-    host = t.contiguous().cpu()
-    return [host.view(torch.uint8).reshape(-1).numpy().data]
-
-
 def encode_block(
     *,
     key: bytes,
@@ -661,51 +648,20 @@ def encode_block(
     source_positions: Sequence[int] | None = None,
     compression: str = "none",
 ) -> bytes:
-    """A blob holding K (and V) ``[layers, tokens, kv_heads, head_dim]`` for ``token_ids``.
+    """A blob holding K (and V) ``[layers, tokens, kv_heads, head_dim]`` for ``token_ids``
+    (``block_parts.encode_block_parts`` joined: the payload copied once, into the blob)."""
+    from nopecache.proto.block_parts import encode_block_parts
 
-    K and V may live on any device and in any layout; their bytes are copied exactly
-    (no float conversion), checksummed in place, and copied once into the blob (plus one
-    device-to-host or layout copy when the tensor is not a contiguous CPU tensor).
-    """
-    # Every check runs before the first byte is copied off the device.
-    dtype = str(k.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_ITEMSIZE:
-        raise BlockHeaderError(f"dtype: {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
-    if k.dim() != 4:
-        raise BlockHeaderError(
-            f"k: must be 4-D [layers, tokens, kv_heads, head_dim], got {list(k.shape)}"
-        )
-    shape = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
-    tensors = [k]
-    if form == StoredForm.MLA:
-        if v is not None:
-            raise BlockHeaderError("v: must be None for MLA (the latent K holds everything)")
-        v_head_dim = 0
-    else:
-        if v is None:
-            raise BlockHeaderError(f"v: required for {StoredForm(form).name}")
-        if v.dtype != k.dtype:
-            raise BlockHeaderError(f"v: dtype {v.dtype} differs from k's {k.dtype}")
-        if v.dim() != 4 or tuple(v.shape[:3]) != shape[:3]:
-            raise BlockHeaderError(
-                f"v: shape {list(v.shape)} must be [{shape[0]}, {shape[1]}, {shape[2]}, v_head_dim]"
-            )
-        v_head_dim = v.shape[3]
-        tensors.append(v)
-    if len(token_ids) != shape[1]:
-        raise BlockHeaderError(f"token_ids: {len(token_ids)} ids for {shape[1]} tokens in k")
-    return build_block(
+    return encode_block_parts(
         key=key,
         fingerprint=fingerprint,
         form=form,
-        dtype=dtype,
-        shape=shape,
-        v_head_dim=v_head_dim,
+        k=k,
+        v=v,
         token_ids=token_ids,
-        payload=[part for t in tensors for part in _host_bytes(t)],
         source_positions=source_positions,
         compression=compression,
-    )
+    ).join()
 
 
 # torch.frombuffer warns (once per process) when the buffer is read-only, e.g. bytes from

@@ -1194,3 +1194,179 @@ class RemovalEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RemovalEvent: _TypeAlias = RemovalEvent  # noqa: Y015
+
+@_typing.final
+class OpenArenaRequest(_message.Message):
+    """Same-host zero copy. The host tier's pool is a sealed memfd (no client can write, shrink
+    or grow it). A client on the server's host of the server's only tenant (auth off, or one
+    tenant) calls OpenArena with its pid, connects to the abstract Unix socket `socket`,
+    sends the 16-byte nonce and receives, with SCM_RIGHTS, a read-only descriptor of the
+    pool, which it maps whole. The server checks the nonce (once, within nonce_ttl_ms) and
+    that the connecting process is `pid` (SO_PEERCRED). Any other outcome is a one-line
+    error message on the socket instead of the descriptor.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """The process that will connect to the socket."""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenArenaRequest: _TypeAlias = OpenArenaRequest  # noqa: Y015
+
+@_typing.final
+class OpenArenaReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    SOCKET_FIELD_NUMBER: _builtins.int
+    NONCE_TTL_MS_FIELD_NUMBER: _builtins.int
+    ARENA_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.bytes
+    socket: _builtins.str
+    """The abstract Unix socket name (without the leading NUL byte)."""
+    nonce_ttl_ms: _builtins.int
+    arena: _builtins.bytes
+    """Identifies the pool (LeaseGetRequest.arena) and its byte size."""
+    size: _builtins.int
+    refused: _builtins.str
+    """Why there is no zero-copy path (empty when there is)."""
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.bytes = ...,
+        socket: _builtins.str = ...,
+        nonce_ttl_ms: _builtins.int = ...,
+        arena: _builtins.bytes = ...,
+        size: _builtins.int = ...,
+        refused: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "nonce", b"nonce", "nonce_ttl_ms", b"nonce_ttl_ms", "refused", b"refused", "size", b"size", "socket", b"socket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenArenaReply: _TypeAlias = OpenArenaReply  # noqa: Y015
+
+@_typing.final
+class LeaseGetRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    ARENA_FIELD_NUMBER: _builtins.int
+    keys: _builtins.bytes
+    """Concatenated 16-byte keys."""
+    arena: _builtins.bytes
+    """OpenArenaReply.arena of the mapping the client holds."""
+    def __init__(
+        self,
+        *,
+        keys: _builtins.bytes = ...,
+        arena: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseGetRequest: _TypeAlias = LeaseGetRequest  # noqa: Y015
+
+@_typing.final
+class LeaseGetReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASES_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    RUN_COUNTS_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
+    TRIED_FIELD_NUMBER: _builtins.int
+    leases: _builtins.bytes
+    """Concatenated 16-byte lease ids, one per leased key, in key order: each block is
+    released on its own (ReleaseLeases) as soon as it is placed.
+    """
+    ttl_ms: _builtins.int
+    """A lease ends this long after it was granted unless released before."""
+    tiers: _builtins.bytes
+    """One byte per key: c > 0 = leased, held by tier_names[c - 1]; 0 = not leased (a miss
+    there, another tier, or the lease share is full): fetch it with Get.
+    """
+    run_counts: _builtins.bytes
+    """Little-endian uint32 per key: how many runs of `runs` are its bytes, in order."""
+    runs: _builtins.bytes
+    """Little-endian uint64 pairs (byte offset in the pool, length), every leased key's runs."""
+    tried: _builtins.int
+    """How many keys were tried, from the first: the rest were not, because leases held the
+    share (zero_copy_share). Ask for them again once leases are released, or Get them.
+    """
+    def __init__(
+        self,
+        *,
+        leases: _builtins.bytes = ...,
+        ttl_ms: _builtins.int = ...,
+        tiers: _builtins.bytes = ...,
+        run_counts: _builtins.bytes = ...,
+        runs: _builtins.bytes = ...,
+        tried: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases", "run_counts", b"run_counts", "runs", b"runs", "tiers", b"tiers", "tried", b"tried", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseGetReply: _TypeAlias = LeaseGetReply  # noqa: Y015
+
+@_typing.final
+class ReleaseLeasesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASES_FIELD_NUMBER: _builtins.int
+    leases: _builtins.bytes
+    """Concatenated 16-byte lease ids."""
+    def __init__(
+        self,
+        *,
+        leases: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeasesRequest: _TypeAlias = ReleaseLeasesRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseLeasesReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.int
+    """How many of the leases were held (and are now released)."""
+    def __init__(
+        self,
+        *,
+        released: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeasesReply: _TypeAlias = ReleaseLeasesReply  # noqa: Y015

@@ -80,6 +80,21 @@ class KVCacheStub:
                 request_serializer=nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.SerializeToString,
                 response_deserializer=nopecache_dot_proto_dot_cache__pb2.RemovalEvent.FromString,
                 _registered_method=True)
+        self.OpenArena = channel.unary_unary(
+                '/nopecache.v1.KVCache/OpenArena',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.OpenArenaRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.OpenArenaReply.FromString,
+                _registered_method=True)
+        self.LeaseGet = channel.unary_unary(
+                '/nopecache.v1.KVCache/LeaseGet',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.LeaseGetRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.LeaseGetReply.FromString,
+                _registered_method=True)
+        self.ReleaseLeases = channel.unary_unary(
+                '/nopecache.v1.KVCache/ReleaseLeases',
+                request_serializer=nopecache_dot_proto_dot_cache__pb2.ReleaseLeasesRequest.SerializeToString,
+                response_deserializer=nopecache_dot_proto_dot_cache__pb2.ReleaseLeasesReply.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -155,6 +170,29 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenArena(self, request, context):
+        """Same-host zero copy (see the messages at the end): a one-use nonce for receiving the
+        descriptor of the host tier's pool, read-only, over a Unix socket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseGet(self, request, context):
+        """Where the blocks of keys lie in the pool, under a read lease that keeps their pages
+        from reuse until released or expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLeases(self, request, context):
+        """Ends read leases early (their pages may be reused from then on).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +240,21 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.WatchRemovals,
                     request_deserializer=nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.FromString,
                     response_serializer=nopecache_dot_proto_dot_cache__pb2.RemovalEvent.SerializeToString,
+            ),
+            'OpenArena': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenArena,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.OpenArenaRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.OpenArenaReply.SerializeToString,
+            ),
+            'LeaseGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseGet,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.LeaseGetRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.LeaseGetReply.SerializeToString,
+            ),
+            'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLeases,
+                    request_deserializer=nopecache_dot_proto_dot_cache__pb2.ReleaseLeasesRequest.FromString,
+                    response_serializer=nopecache_dot_proto_dot_cache__pb2.ReleaseLeasesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +501,87 @@ class KVCache:
             '/nopecache.v1.KVCache/WatchRemovals',
             nopecache_dot_proto_dot_cache__pb2.WatchRemovalsRequest.SerializeToString,
             nopecache_dot_proto_dot_cache__pb2.RemovalEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenArena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.KVCache/OpenArena',
+            nopecache_dot_proto_dot_cache__pb2.OpenArenaRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.OpenArenaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.KVCache/LeaseGet',
+            nopecache_dot_proto_dot_cache__pb2.LeaseGetRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.LeaseGetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nopecache.v1.KVCache/ReleaseLeases',
+            nopecache_dot_proto_dot_cache__pb2.ReleaseLeasesRequest.SerializeToString,
+            nopecache_dot_proto_dot_cache__pb2.ReleaseLeasesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -114,6 +114,16 @@ class KVCacheStub:
     for routers) follow it to withdraw what is gone. The first event is empty: the watch is
     open from then on. Evictions Redis makes by itself are not seen.
     """
+    OpenArena: _grpc.UnaryUnaryMultiCallable[_cache_pb2.OpenArenaRequest, _cache_pb2.OpenArenaReply]
+    """Same-host zero copy (see the messages at the end): a one-use nonce for receiving the
+    descriptor of the host tier's pool, read-only, over a Unix socket.
+    """
+    LeaseGet: _grpc.UnaryUnaryMultiCallable[_cache_pb2.LeaseGetRequest, _cache_pb2.LeaseGetReply]
+    """Where the blocks of keys lie in the pool, under a read lease that keeps their pages
+    from reuse until released or expired.
+    """
+    ReleaseLeases: _grpc.UnaryUnaryMultiCallable[_cache_pb2.ReleaseLeasesRequest, _cache_pb2.ReleaseLeasesReply]
+    """Ends read leases early (their pages may be reused from then on)."""
 
 @_typing.type_check_only
 class KVCacheAsyncStub(KVCacheStub):
@@ -148,6 +158,16 @@ class KVCacheAsyncStub(KVCacheStub):
     for routers) follow it to withdraw what is gone. The first event is empty: the watch is
     open from then on. Evictions Redis makes by itself are not seen.
     """
+    OpenArena: _aio.UnaryUnaryMultiCallable[_cache_pb2.OpenArenaRequest, _cache_pb2.OpenArenaReply]  # type: ignore[assignment]
+    """Same-host zero copy (see the messages at the end): a one-use nonce for receiving the
+    descriptor of the host tier's pool, read-only, over a Unix socket.
+    """
+    LeaseGet: _aio.UnaryUnaryMultiCallable[_cache_pb2.LeaseGetRequest, _cache_pb2.LeaseGetReply]  # type: ignore[assignment]
+    """Where the blocks of keys lie in the pool, under a read lease that keeps their pages
+    from reuse until released or expired.
+    """
+    ReleaseLeases: _aio.UnaryUnaryMultiCallable[_cache_pb2.ReleaseLeasesRequest, _cache_pb2.ReleaseLeasesReply]  # type: ignore[assignment]
+    """Ends read leases early (their pages may be reused from then on)."""
 
 class KVCacheServicer(metaclass=_abc_1.ABCMeta):
     """The KV-block cache."""
@@ -233,6 +253,34 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         for routers) follow it to withdraw what is gone. The first event is empty: the watch is
         open from then on. Evictions Redis makes by itself are not seen.
         """
+
+    @_abc_1.abstractmethod
+    def OpenArena(
+        self,
+        request: _cache_pb2.OpenArenaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.OpenArenaReply, _abc.Awaitable[_cache_pb2.OpenArenaReply]]:
+        """Same-host zero copy (see the messages at the end): a one-use nonce for receiving the
+        descriptor of the host tier's pool, read-only, over a Unix socket.
+        """
+
+    @_abc_1.abstractmethod
+    def LeaseGet(
+        self,
+        request: _cache_pb2.LeaseGetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.LeaseGetReply, _abc.Awaitable[_cache_pb2.LeaseGetReply]]:
+        """Where the blocks of keys lie in the pool, under a read lease that keeps their pages
+        from reuse until released or expired.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseLeases(
+        self,
+        request: _cache_pb2.ReleaseLeasesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.ReleaseLeasesReply, _abc.Awaitable[_cache_pb2.ReleaseLeasesReply]]:
+        """Ends read leases early (their pages may be reused from then on)."""
 
 def add_KVCacheServicer_to_server(servicer: KVCacheServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -28,5 +28,5 @@ def test_every_bench_is_covered() -> None:
     """The glob finds the benches (a moved folder must not make this module test nothing)."""
     names = {p.stem for p in bench_files(vllm=False)}
     assert {"client", "server", "load", "fuzz"} <= names
-    assert {p.stem for p in bench_files(vllm=True)} >= {"vllm_e2e", "vllm_blend"}
+    assert {p.stem for p in bench_files(vllm=True)} >= {"vllm_e2e", "vllm_blend", "vllm_serve"}
     assert "sglang_pages" not in names  # runs in .venv-sglang (tests/integrations/sglang)

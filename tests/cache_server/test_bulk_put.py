@@ -22,6 +22,7 @@ from tests.support.server_harness import (
     REJECTED,
     SMALL,
     STORED,
+    get,
     key_of,
     make_block,
     put,
@@ -168,3 +169,33 @@ def test_the_client_stores_over_the_bulk_stream_by_default(cache_server: CacheSe
             assert isinstance(source, BulkSource) and source.bulk_puts == 1
         else:
             assert not isinstance(source, BulkSource)
+
+
+@pytest.mark.asyncio
+async def test_reused_receive_buffers_never_change_what_was_stored() -> None:
+    """A PUT's blocks arrive in pooled receive buffers that the next PUT reuses: what the
+    first PUT stored stays byte for byte (the tier copied it), a corrupt block of either
+    is refused and not stored, and the pool kept the buffers (they were reused)."""
+    async with serving(SMALL) as h:
+        a, b, c, d = (key_of(i) for i in range(10, 14))
+        blob_a, blob_c = make_block(a, tokens=64), make_block(c, tokens=64)
+        assert len(blob_a) == len(blob_c)  # one size class: C lands in A's buffer
+        damaged_b = bytearray(make_block(b, tokens=64))
+        damaged_b[-1] ^= 0xFF
+        damaged_d = bytearray(make_block(d, tokens=64))
+        damaged_d[len(damaged_d) // 2] ^= 0x01
+        bulk = h.running.service.bulk
+        sock = await asyncio.to_thread(welcomed, await open_bulk(h))
+        assert bulk is not None
+        with sock:
+            await asyncio.to_thread(send_put, sock, [(a, blob_a), (b, bytes(damaged_b))])
+            first = await asyncio.to_thread(read_reply, sock)
+            idle_after_first = bulk.receive_buffers.idle_bytes
+            await asyncio.to_thread(send_put, sock, [(c, blob_c), (d, bytes(damaged_d))])
+            second = await asyncio.to_thread(read_reply, sock)
+        blobs, _ = await get(h.stub, [a, b, c, d])
+    assert [o for o, _, _ in outcomes(first[1])] == [STORED, REJECTED]
+    assert [o for o, _, _ in outcomes(second[1])] == [STORED, REJECTED]
+    # Both buffers came back after the first PUT, and were taken again by the second.
+    assert idle_after_first == bulk.receive_buffers.idle_bytes == 2 * 1024 * 1024
+    assert blobs == [blob_a, None, blob_c, None]

@@ -253,7 +253,19 @@ def test_put_streams(target: FuzzTarget, frames: list[bytes], auth: str | None) 
 @settings(max_examples=100)
 @given(
     method=st.sampled_from(
-        ["Lookup", "Get", "Delete", "Stats", "Put", "AttachShm", "DetachShm", "NoSuchMethod"]
+        [
+            "Lookup",
+            "Get",
+            "Delete",
+            "Stats",
+            "Put",
+            "AttachShm",
+            "DetachShm",
+            "OpenArena",
+            "LeaseGet",
+            "ReleaseLeases",
+            "NoSuchMethod",
+        ]
     ),
     payload=st.lists(st.binary(max_size=200), min_size=1, max_size=4),
     auth=AUTH,

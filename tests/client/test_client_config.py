@@ -279,6 +279,8 @@ def _everything_changed() -> ClientConfig:
         ),
         shm="on",
         bulk="off",
+        zero_copy=False,
+        bulk_streams=4,
         max_message_bytes=16 * 1024**2,
         store_queue_blocks=8,
         down_backoff_s=0.0,
@@ -346,6 +348,8 @@ BAD_VALUES = {
     "connect_timeout": "1h",
     "shm": "sometimes",
     "bulk": "always",
+    "zero_copy": "maybe",
+    "bulk_streams": "17",
     "max_message_bytes": "1KiB",
     "store_queue_blocks": "many",
     "down_backoff": "-5ms",
@@ -555,6 +559,9 @@ def test_service_config_json() -> None:
         "DetachShm": 2.0,
         "OpenBulk": 2.0,
         "Stats": 2.0,
+        "OpenArena": 2.0,
+        "LeaseGet": 5.0,
+        "ReleaseLeases": 2.0,
     }
     assert cfg.service_config_json() == RetryPolicy().service_config_json()
     other = json.loads(cfg.service_config_json("test.Svc"))

@@ -174,7 +174,7 @@ def test_invalid_argument_error_survives_pickling() -> None:
     [
         (b"NCF", "shorter than the header"),
         (b"XXXX" + FP.to_bytes()[4:], "bad magic"),
-        (FP.to_bytes()[:4] + b"\x02" + FP.to_bytes()[5:], "unknown fingerprint encoding v2"),
+        (FP.to_bytes()[:4] + b"\x03" + FP.to_bytes()[5:], "unknown fingerprint encoding v3"),
         (FP.to_bytes()[:-3], "truncated inside rope_digest"),
         (FP.to_bytes()[:24], "truncated inside dtype"),
         (FP.to_bytes()[:32], "truncated before the model length"),

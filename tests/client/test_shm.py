@@ -126,7 +126,7 @@ def same_tensors(a: FetchResult, b: FetchResult) -> bool:
 # -- the fast path gives exactly what gRPC gives --------------------------------------------
 def test_shm_fetch_places_the_same_tensors_as_grpc(server: CacheServerProc) -> None:
     name_prefix = prefix()
-    fast = ShmFastPath("auto", segment_bytes=SEGMENT, name_prefix=name_prefix)
+    fast = ShmFastPath("auto", zero_copy=False, segment_bytes=SEGMENT, name_prefix=name_prefix)
     by_grpc, by_shm = fetch_both(server, SMALL, fast)
     assert by_grpc.failed == by_shm.failed == ()
     assert by_grpc.placed == by_shm.placed
@@ -144,7 +144,9 @@ def test_more_bytes_than_the_segment_recycle_windows_into_a_paged_cache(
 ) -> None:
     """12 MiB through an 8 MiB segment: windows come back as blocks are placed."""
     name_prefix = prefix()
-    fast = ShmFastPath("auto", segment_bytes=SEGMENT, name_prefix=name_prefix, space_wait_s=30)
+    fast = ShmFastPath(
+        "auto", zero_copy=False, segment_bytes=SEGMENT, name_prefix=name_prefix, space_wait_s=30
+    )
     pages = BIG_TOKENS // 16
     table = torch.randperm(pages, generator=torch.Generator().manual_seed(3))
     slots = (table[:, None] * 16 + torch.arange(16)).reshape(-1)
@@ -194,7 +196,9 @@ def test_a_consumer_holding_every_view_gets_the_rest_over_grpc(server: CacheServ
     cfg = config(server)
     want = asyncio.run(_blobs(ServerConnection(server.address, cfg), keys, keep=False))
     name_prefix = prefix()
-    fast = ShmFastPath("auto", segment_bytes=SEGMENT, name_prefix=name_prefix, space_wait_s=0)
+    fast = ShmFastPath(
+        "auto", zero_copy=False, segment_bytes=SEGMENT, name_prefix=name_prefix, space_wait_s=0
+    )
     conn = ServerConnection(server.address, cfg, fast_path=fast)
     got = asyncio.run(_blobs(conn, keys, True, fast))
     assert got == want and want[-1] is None and all(b is not None for b in want[:-1])
@@ -238,7 +242,7 @@ def test_a_server_that_cannot_open_the_segment_means_grpc_without_errors(
     server: CacheServerProc, tmp_path: Path
 ) -> None:
     """Another host, simulated: the segment is made where the server does not look."""
-    fast = ShmFastPath("on", segment_bytes=SEGMENT, shm_dir=str(tmp_path))
+    fast = ShmFastPath("on", zero_copy=False, segment_bytes=SEGMENT, shm_dir=str(tmp_path))
     by_grpc, by_shm = fetch_both(server, SMALL, fast)
     assert by_shm.failed == () and same_tensors(by_grpc, by_shm)
     stats = fast.stats()
@@ -248,7 +252,7 @@ def test_a_server_that_cannot_open_the_segment_means_grpc_without_errors(
 
 
 def test_auto_skips_a_server_on_another_host_without_asking(server: CacheServerProc) -> None:
-    fast = ShmFastPath("auto", segment_bytes=SEGMENT, name_prefix=prefix())
+    fast = ShmFastPath("auto", zero_copy=False, segment_bytes=SEGMENT, name_prefix=prefix())
     fast.host_id = "elsewhere/0"  # what this process would be on another machine
     conn = ServerConnection(server.address, config(server), fast_path=fast)
     got = asyncio.run(_blobs(conn, bytes(32), keep=False))
@@ -260,7 +264,7 @@ def test_a_lost_session_falls_back_for_the_call(tmp_path: Path) -> None:
     (proc,) = start_cache_servers(1, tmp_path)
     try:
         name_prefix = prefix()
-        fast = ShmFastPath("auto", segment_bytes=SEGMENT, name_prefix=name_prefix)
+        fast = ShmFastPath("auto", zero_copy=False, segment_bytes=SEGMENT, name_prefix=name_prefix)
         with client(config(proc), fast) as c:
             c.store(SMALL, SMALL_KV, 0)
             plan = c.lookup(SMALL)
@@ -294,7 +298,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {root!r})
     from tests.support.shm_client import BIG, SEGMENT, client, config
     from nopecache.client.shm import ShmFastPath
-    fast = ShmFastPath("auto", segment_bytes=SEGMENT, name_prefix={prefix!r})
+    fast = ShmFastPath("auto", zero_copy=False, segment_bytes=SEGMENT, name_prefix={prefix!r})
     c = client(config({address!r}), fast)
     plan = c.lookup(BIG, allow_position_independent=False)
     while True:
@@ -327,7 +331,7 @@ def test_a_client_killed_mid_fetch_leaves_nothing_in_dev_shm(server: CacheServer
     assert leftovers(name_prefix) == []
     # The server still maps it (until idle expiry), and serves the next client as before.
     assert mapped_by(server.proc.pid, name_prefix) != []
-    fast = ShmFastPath("auto", segment_bytes=SEGMENT, name_prefix=prefix())
+    fast = ShmFastPath("auto", zero_copy=False, segment_bytes=SEGMENT, name_prefix=prefix())
     by_grpc, by_shm = fetch_both(server, BIG, fast, pi=False)
     assert same_tensors(by_grpc, by_shm) and fast.stats().shm_blocks == 12
 

@@ -17,6 +17,9 @@ a core and would change the thread count, which changes bf16 results), 1 GiB of 
 offline, eager mode. The core is the config's ``cpu``, or else the next one round robin
 over the cores this process may use (:func:`tests.support.machine.core_for`): engines
 spread over the machine instead of sharing core 0. :attr:`EngineProc.cpu` says which.
+A tensor-parallel engine (``tensor_parallel`` > 1) runs one worker per rank, rank ``r``
+bound to the ``r``-th core from there (``VLLM_CPU_OMP_THREADS_BIND="a|b"``, vLLM's
+per-rank form); :attr:`EngineProc.cpus` lists them.
 
 Each engine leads a process group of its own, which vLLM's engine-core process joins:
 :meth:`EngineProc.stop` (and a demo's Ctrl-C, through :meth:`EngineProc.group`) stops the
@@ -38,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.machine import core_for
+from tests.support.machine import allowed_cores, core_for
 from tests.support.proc_groups import Group, stop_groups
 
 ENGINE_ENV = {
@@ -67,6 +70,7 @@ class EngineConfig:
     connector_module: str | None = "nopecache.integrations.vllm"
     env: dict[str, str] = field(default_factory=dict)
     cpu: int | None = None  # the core its OpenMP thread binds to; None: round robin
+    tensor_parallel: int = 1  # tensor_parallel_size: one worker process per rank
 
 
 EngineFactory = Callable[..., "EngineProc"]
@@ -100,6 +104,7 @@ class EngineProc:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.cpu: int | None = config.cpu  # the core it was given, once launched
+        self.cpus: list[int] = []  # every rank's core, once launched
         self._answers: Any = None
 
     def start(self) -> EngineProc:
@@ -110,11 +115,15 @@ class EngineProc:
         """Start the child without waiting (several engines then build side by side)."""
         if self.cpu is None:
             self.cpu = core_for(next(_launches))
+        first = allowed_cores().index(self.cpu) if self.cpu in allowed_cores() else 0
+        self.cpus = [self.cpu] + [
+            core_for(first + r) for r in range(1, self.config.tensor_parallel)
+        ]
         read_fd, write_fd = os.pipe()
         env = {
             **os.environ,
             **ENGINE_ENV,
-            "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu),
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, self.cpus)),
             **self.config.env,
             "NOPECACHE_ENGINE_FD": str(write_fd),
         }
@@ -293,6 +302,7 @@ def _build(config: dict[str, Any]) -> Any:
         enforce_eager=True,
         enable_prefix_caching=config["prefix_caching"],
         max_model_len=config["max_model_len"],
+        tensor_parallel_size=config["tensor_parallel"],
         disable_log_stats=False,
         seed=0,
         **kwargs,

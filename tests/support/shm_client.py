@@ -32,8 +32,11 @@ SEGMENT = client_shm.MIN_SEGMENT_BYTES
 CHUNKER = ContentChunker(min_size=8, avg_size=32, max_size=64)
 
 
-def config(server: CacheServerProc | str, shm: str = "auto") -> ClientConfig:
-    """Cost model off (plans do not depend on timings), generous deadlines for 2 busy cores."""
+def config(
+    server: CacheServerProc | str, shm: str = "auto", *, zero_copy: bool = False
+) -> ClientConfig:
+    """Cost model off (plans do not depend on timings), generous deadlines for 2 busy cores;
+    zero copy off by default: these are the segment's tests (test_zero_copy.py has its own)."""
     return ClientConfig(
         servers=(server if isinstance(server, str) else server.address,),
         cost=CostConfig(enabled=False),
@@ -41,6 +44,7 @@ def config(server: CacheServerProc | str, shm: str = "auto") -> ClientConfig:
         put_timeout_s=30.0,
         namespace="shm-tests",
         shm=shm,  # type: ignore[arg-type]
+        zero_copy=zero_copy,
     )
 
 

@@ -123,14 +123,32 @@ class _Engine:
         )
         plan = self.scheduler.build_step(output)
         self.worker.begin_step()
-        self.worker.load(plan)
+        self.load(plan)
         self.worker.save(plan)
         self.client.drain()
         return SimpleNamespace(claimed=claimed, plan=plan)
 
+    def load(self, plan: Any) -> None:
+        """Run the step's loads, the background ones to their end (:func:`run_loads`)."""
+        run_loads(self.worker, plan)
+
     def close(self) -> None:
         self.worker.close()
         self.client.close()
+
+
+def run_loads(worker: WorkerSide, plan: Any) -> None:
+    """Run a step's loads on ``worker`` and wait for the background ones (``load_async``,
+    the default) until ``finished_loads`` reports each, as vLLM holds the request's
+    forward until then."""
+    worker.load(plan)
+    waiting = {spec.req_id for spec in plan.loads if spec.asynchronous}
+    # Only a hang guard: a loopback fetch of a few blocks takes milliseconds.
+    deadline = time.monotonic() + 60
+    while waiting:
+        assert time.monotonic() < deadline, f"loads of {sorted(waiting)} never finished"
+        waiting -= worker.finished_loads()
+        time.sleep(0.001)
 
 
 def _request(req_id: str, tokens: list[int]) -> Any:

@@ -44,6 +44,7 @@ loop for about a millisecond, less than receiving that block over gRPC takes.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import sys
@@ -219,6 +220,11 @@ class TierLease:
         self._placement = placement
         self.views = views
         self.size = placement.size
+
+    @property
+    def placement(self) -> Placement:
+        """The leased block's page runs (where its bytes are in the pool)."""
+        return self._placement
 
     def release(self) -> None:
         """End the lease: the pages may be reused from now on."""
@@ -475,6 +481,9 @@ class CpuTier(PagedTier):
         url = url or f"cpu://?capacity={capacity_bytes}&page={page_bytes}"
         super().__init__(capacity_bytes, page_bytes, url)
         self.pinned, self._mem = _host_pool(self.capacity_bytes, pinned, url)
+        # The pool's memfd (None when pinned): a same-host client of the only tenant maps
+        # it read-only (zero_copy.py).
+        self.arena_fd: int | None = _arena_fd(self._mem)
 
     @classmethod
     def from_url(cls, url: str) -> CpuTier:
@@ -534,6 +543,9 @@ class CpuTier(PagedTier):
 
     def _free_pool(self) -> None:
         self._mem.release()
+        fd, self.arena_fd = self.arena_fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def _parse_pinned(options: dict[str, str], url: str) -> bool | None:
@@ -556,7 +568,7 @@ def _host_pool(n_bytes: int, pinned: bool | None, url: str) -> tuple[bool, memor
     DMA-speed copies to the GPU.
     """
     if pinned is False or (pinned is None and not _cuda_may_exist()):
-        return False, memoryview(mmap.mmap(-1, n_bytes))
+        return False, _shared_pool(n_bytes)
     try:
         import torch  # deferred: about 3 s and 200 MB, worth it only when a GPU may exist
     except ImportError:
@@ -566,10 +578,44 @@ def _host_pool(n_bytes: int, pinned: bool | None, url: str) -> tuple[bool, memor
     if not torch_cuda:
         if pinned:
             raise TierConfigError(f"{url}: pinned=yes needs CUDA, which is not available")
-        return False, memoryview(mmap.mmap(-1, n_bytes))
+        return False, _shared_pool(n_bytes)
     tensor = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
     # The ndarray view keeps the tensor (and so the pinned allocation) alive.
     return True, tensor.numpy().data
+
+
+# Linux 5.1+: no new write()s or writable shared mappings, while the server's own mapping
+# (made before) keeps writing. fcntl does not export it.
+F_SEAL_FUTURE_WRITE = 0x0010
+_ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+
+
+class _SharedPool(mmap.mmap):
+    """The pool's mapping of a memfd, with the descriptor (``fd``) kept for handing out."""
+
+    fd: int = -1
+
+
+def _shared_pool(n_bytes: int) -> memoryview:
+    """The pool as a sealed memfd mapping: lazily zero-filled like an anonymous mapping, and
+    mappable read-only by a same-host client (its size and contents sealed against every
+    mapping but this one: a client can neither shrink it, which would fault this process,
+    nor write to it, even through a descriptor it reopens read-write)."""
+    fd = os.memfd_create("nopecache-cpu-tier", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, n_bytes)
+        mm = _SharedPool(fd, n_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _ARENA_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    mm.fd = fd
+    return memoryview(mm)
+
+
+def _arena_fd(mem: memoryview) -> int | None:
+    obj = mem.obj
+    return obj.fd if isinstance(obj, _SharedPool) else None
 
 
 def _cuda_may_exist() -> bool:

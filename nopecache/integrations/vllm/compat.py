@@ -77,6 +77,8 @@ __all__ = [
     "residual_norm",
     "scheduled_requests",
     "served_model",
+    "tensor_parallel_rank",
+    "total_kv_heads",
     "total_scheduled_tokens",
     "uses_mla",
     "verify_cpu_layout",
@@ -109,6 +111,20 @@ def model_shape(vllm_config: VllmConfig) -> tuple[int, int, int]:
         model_config.get_num_kv_heads(parallel),
         model_config.get_head_size(),
     )
+
+
+def total_kv_heads(vllm_config: VllmConfig) -> int:
+    """KV heads of the model over all tensor-parallel ranks."""
+    return int(vllm_config.model_config.get_total_num_kv_heads())
+
+
+def tensor_parallel_rank(vllm_config: VllmConfig) -> int:
+    """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def served_model(vllm_config: VllmConfig) -> tuple[str, str]:

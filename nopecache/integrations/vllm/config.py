@@ -20,10 +20,11 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      token-layers the policy recomputes, in [0, 1]
     namespace    str    ""           salt separating workloads within one tenant
     load         bool   true         look up and load cached KV
-    load_async   bool   false        fetch in the background while vLLM runs other
+    load_async   bool   true         fetch in the background while vLLM runs other
                                      requests (the request waits in
                                      WAITING_FOR_REMOTE_KVS); false: fetch before the
-                                     step's forward
+                                     step's forward. Blend claims always load right
+                                     before their forward (their layer loop runs there)
     lookup_wait_ms
                  float  2.0          how long vLLM's scheduler waits for a lookup before
                                      answering "not yet" (the request is asked again on
@@ -43,6 +44,16 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      below the GPU; "shared_storage" for llm-d's weight
                                      of a shared tier)
 
+    kv_head_group
+                 int    (a rank's    KV heads per stored block (head_groups.py): every
+                        heads)       rank stores and fetches its own heads as blocks of
+                                     this many, so engines of different tensor-parallel
+                                     sizes share them when they set the same value; it
+                                     must divide num_kv_heads / tp of each of them (e.g.
+                                     num_kv_heads / the largest TP of the fleet). Unset:
+                                     one block per chunk and rank, shared only with
+                                     engines of the same TP size
+
 Anything else, a wrong type or a bad value raises :class:`ConnectorConfigError` at
 start-up, naming the key. The model fingerprint (name, revision, layers, KV heads, head
 dim, KV dtype, RoPE spec) comes from vLLM's ``VllmConfig``, never from the user, so two
@@ -60,6 +71,7 @@ import torch
 from nopecache.client.config import ClientConfig
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.head_groups import HeadGroup, rank_head_groups
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.errors import ConnectorConfigError, UnsupportedEngineError
 from nopecache.integrations.vllm.events import DEFAULT_MEDIUM
@@ -117,13 +129,14 @@ class ConnectorConfig:
     pi_reuse: PiReuse = "off"
     namespace: str = ""
     load: bool = True
-    load_async: bool = False
+    load_async: bool = True
     lookup_wait_ms: float = 2.0
     save: bool = True
     segment_token_ids: frozenset[int] = frozenset()
     recompute_policy: str = DEFAULT_POLICY_NAME
     recompute_budget: float = DEFAULT_BUDGET
     kv_event_medium: str = DEFAULT_MEDIUM
+    kv_head_group: int | None = None
 
     KEYS = (
         "url",
@@ -137,6 +150,7 @@ class ConnectorConfig:
         "recompute_policy",
         "recompute_budget",
         "kv_event_medium",
+        "kv_head_group",
     )
 
     @classmethod
@@ -193,8 +207,16 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "kv_event_medium", f"must be a tier name such as STORAGE, got {medium!r}"
             )
+        group = extra.get("kv_head_group")
+        if group is not None and (
+            isinstance(group, bool) or not isinstance(group, int) or group < 1
+        ):
+            raise ConnectorConfigError(
+                "kv_head_group", f"must be a number of KV heads >= 1, got {group!r}"
+            )
         return cls(
             client=client,
+            kv_head_group=group,
             lookup_wait_ms=float(wait),
             kv_event_medium=medium,
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
@@ -202,7 +224,7 @@ class ConnectorConfig:
             recompute_budget=float(budget),
             namespace=_str("namespace", extra.get("namespace", "")),
             load=_bool("load", extra.get("load", True)),
-            load_async=_bool("load_async", extra.get("load_async", False)),
+            load_async=_bool("load_async", extra.get("load_async", True)),
             save=_bool("save", extra.get("save", True)),
             segment_token_ids=_token_ids("segment_token_ids", extra.get("segment_token_ids", [])),
         )
@@ -227,10 +249,38 @@ class ConnectorConfig:
 class ModelIdentity:
     """What the connector knows about the served model: keys, shapes and block size."""
 
-    fingerprint: ModelFingerprint  # ROPE form: vLLM's cache holds post-RoPE K
+    fingerprint: ModelFingerprint  # every KV head, ROPE form: vLLM's cache holds post-RoPE K
     rope: RopeSpec
     v_head_dim: int
     block_size: int  # vLLM's KV block size in tokens (prefix blocks are cut at it)
+    tp_size: int = 1  # tensor-parallel ranks, each holding num_kv_heads / tp_size heads
+    kv_head_group: int | None = None  # KV heads per stored block (None: a rank's)
+
+    def __post_init__(self) -> None:
+        try:  # every rank splits alike: rank 0's check covers them all
+            self.head_groups(0)
+        except InvalidArgumentError as err:
+            raise ConnectorConfigError("kv_head_group", str(err)) from None
+
+    @property
+    def rank_kv_heads(self) -> int:
+        """KV heads one tensor-parallel rank holds (its cache's head count)."""
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def group_size(self) -> int:
+        """KV heads per stored block."""
+        return self.rank_kv_heads if self.kv_head_group is None else self.kv_head_group
+
+    @property
+    def lookup_fingerprint(self) -> ModelFingerprint:
+        """What the scheduler looks prompts up under: the first head group's (every rank
+        of every TP size that shares holds one group starting at a multiple of it)."""
+        return self.head_groups(0)[0].fingerprint
+
+    def head_groups(self, tp_rank: int) -> list[HeadGroup]:
+        """The head groups rank ``tp_rank`` stores and fetches (head_groups.py)."""
+        return rank_head_groups(self.fingerprint, self.group_size, self.tp_size, tp_rank)
 
     @property
     def num_layers(self) -> int:
@@ -239,7 +289,7 @@ class ModelIdentity:
 
     @property
     def num_kv_heads(self) -> int:
-        """KV heads of the model."""
+        """KV heads of the model (all ranks together)."""
         return self.fingerprint.num_kv_heads
 
     @property
@@ -266,19 +316,19 @@ def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
     return dtype
 
 
-def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
-    """The fingerprint, RoPE spec and block size of the model vLLM serves.
+def model_identity(vllm_config: VllmConfig, kv_head_group: int | None = None) -> ModelIdentity:
+    """The fingerprint, RoPE spec, block size and head split of the model vLLM serves.
 
-    Raises UnsupportedEngineError for what the connector cannot serve: tensor or
-    pipeline parallelism (each rank would hold a slice of the heads), quantized KV,
-    MLA or models without RoPE.
+    Raises UnsupportedEngineError for what the connector cannot serve: pipeline
+    parallelism (each rank would hold some layers), tensor parallelism that replicates
+    KV heads (more ranks than KV heads), quantized KV, MLA or models without RoPE; and
+    ConnectorConfigError for a ``kv_head_group`` that does not divide a rank's heads.
     """
     tensor_parallel, pipeline_parallel = compat.parallel_sizes(vllm_config)
-    if tensor_parallel != 1 or pipeline_parallel != 1:
+    if pipeline_parallel != 1:
         raise UnsupportedEngineError(
-            f"tensor_parallel_size={tensor_parallel}, "
-            f"pipeline_parallel_size={pipeline_parallel}: the connector "
-            "supports one rank (1, 1) only"
+            f"pipeline_parallel_size={pipeline_parallel}: the connector supports "
+            "pipeline_parallel_size=1 only (tensor parallelism is supported)"
         )
     if compat.uses_mla(vllm_config):
         raise UnsupportedEngineError("MLA models are not supported by the vLLM connector yet")
@@ -286,7 +336,14 @@ def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
         rope = RopeSpec.from_hf_config(compat.hf_text_config(vllm_config))
     except (ValueError, TypeError, KeyError) as err:
         raise UnsupportedEngineError(f"cannot derive a RoPE spec from the model: {err}") from err
-    num_layers, num_kv_heads, head_dim = compat.model_shape(vllm_config)
+    num_layers, _, head_dim = compat.model_shape(vllm_config)
+    num_kv_heads = compat.total_kv_heads(vllm_config)
+    if num_kv_heads % tensor_parallel:
+        raise UnsupportedEngineError(
+            f"tensor_parallel_size={tensor_parallel} does not divide the model's "
+            f"{num_kv_heads} KV heads (vLLM would replicate heads across ranks); use a "
+            "tensor_parallel_size that divides them"
+        )
     if head_dim != rope.head_dim:
         raise UnsupportedEngineError(
             f"head size {head_dim} differs from the RoPE spec's head_dim {rope.head_dim}"
@@ -306,4 +363,6 @@ def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
         rope=rope,
         v_head_dim=head_dim,
         block_size=compat.cache_block_size(vllm_config),
+        tp_size=tensor_parallel,
+        kv_head_group=kv_head_group,
     )

@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.removals import RemovalFollower
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm import compat
@@ -115,19 +116,27 @@ class NopecacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
-        self.model: ModelIdentity = model_identity(vllm_config)
-        self.client: CacheClient | None = CacheClient(
-            self.settings.client,
-            fingerprint=self.model.fingerprint,
-            rope=self.model.rope,
-            v_head_dim=self.model.v_head_dim,
-            prefix_block_tokens=self.model.block_size,
+        self.model: ModelIdentity = model_identity(vllm_config, self.settings.kv_head_group)
+        # The scheduler looks up under the first head group; a worker keys each of its
+        # rank's groups under its own client (worker.py, client/head_groups.py).
+        tp_rank = (
+            0 if role == KVConnectorRole.SCHEDULER else compat.tensor_parallel_rank(vllm_config)
         )
+        groups = self.model.head_groups(tp_rank)
+        if role == KVConnectorRole.SCHEDULER:
+            groups = groups[:1]
+        clients = [self._make_client(group.fingerprint) for group in groups]
+        self.client: CacheClient | None = clients[0]
+        self._group_clients = clients
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._last_report: StepReport | None = None
         self._removals: RemovalFollower | None = None
         blend_unsupported = blend_unsupported_reason(vllm_config) if self.settings.blend else None
+        if self.settings.blend and self.model.tp_size > 1:
+            # The layer loop runs vLLM's sharded modules: every rank would have to run it
+            # in lockstep, and one rank's failed fetch would leave the others waiting.
+            blend_unsupported = f"tensor_parallel_size={self.model.tp_size}: blend runs on one rank"
         if blend_unsupported is not None:
             log.warning(
                 "nopecache: pi_reuse='blend' unsupported here (%s); claiming exact prefixes only",
@@ -146,17 +155,37 @@ class NopecacheConnector(KVConnectorBase_V1):
                 # Withdraw announced blocks the servers drop, whoever made them go.
                 self._removals = RemovalFollower(self.settings.client, announced.on_removal).start()
         else:
-            self._worker = WorkerSide(self.settings, self.model, self.client)
+            self._worker = WorkerSide(
+                self.settings,
+                self.model,
+                self.client,
+                list(zip(groups, clients, strict=True)),
+                tp_rank,
+            )
             if blend_unsupported is not None:
                 self._worker.refuse_blend(blend_unsupported)
         log.info(
-            "nopecache connector (%s): %s, model %s %s, block %d, pi_reuse=%s",
+            "nopecache connector (%s, TP rank %d/%d): %s, model %s %s, block %d, "
+            "pi_reuse=%s, KV heads %s in groups of %d",
             role.name,
+            tp_rank,
+            self.model.tp_size,
             ",".join(self.settings.client.servers),
             self.model.fingerprint.model,
             self.model.fingerprint.dtype,
             self.model.block_size,
             self.settings.pi_reuse,
+            [f"{g.fingerprint.kv_head_start}+{g.num_heads}" for g in groups],
+            self.model.group_size,
+        )
+
+    def _make_client(self, fingerprint: ModelFingerprint) -> CacheClient:
+        return CacheClient(
+            self.settings.client,
+            fingerprint=fingerprint,
+            rope=self.model.rope,
+            v_head_dim=self.model.v_head_dim,
+            prefix_block_tokens=self.model.block_size,
         )
 
     # ==================================================================================
@@ -321,6 +350,7 @@ class NopecacheConnector(KVConnectorBase_V1):
             self._removals = None
         if self._worker is not None:
             self._worker.close()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        for client in self._group_clients:
+            client.close()
+        self._group_clients = []
+        self.client = None

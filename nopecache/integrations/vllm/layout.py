@@ -71,15 +71,25 @@ class KVLayout(ABC):
     def check(self, layer: str, cache: torch.Tensor) -> None:
         """Raise UnsupportedLayoutError unless ``cache`` has this layout."""
 
-    def paged(self, caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor) -> PagedKV:
+    def paged(
+        self,
+        caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        heads: slice | None = None,
+    ) -> PagedKV:
         """The client's paged-cache contract over every layer's cache (views, no copy).
 
         ``slot_mapping``: int64, the slot of every prompt position, -1 where nothing is
         to be written. A fetch ``into=`` it lands each block in vLLM's own pages through
-        the fused re-RoPE scatter kernel API.
+        the fused re-RoPE scatter kernel API. ``heads``: only these KV heads of the cache
+        (a head group's block holds a slice of a rank's heads; a strided view, which the
+        CPU placement takes and CUDA's contiguous-only kernel refuses).
         """
+        sel = slice(None) if heads is None else heads
         return PagedKV(
-            [self.k_view(c) for c in caches], [self.v_view(c) for c in caches], slot_mapping
+            [self.k_view(c)[:, :, sel] for c in caches],
+            [self.v_view(c)[:, :, sel] for c in caches],
+            slot_mapping,
         )
 
     def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

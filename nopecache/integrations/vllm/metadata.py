@@ -74,6 +74,10 @@ class StepPlan:
     scheduled_tokens: int = 0  # tokens the step's forward computes (for the prefill rate)
 
 
+_OVERLAPPING = ("forward_seconds", "fetch_seconds")
+"""StepReport times that run side by side on the workers of one step."""
+
+
 @dataclass(slots=True)
 class StepReport:
     """The worker half's account of one engine step (summed over workers)."""
@@ -100,13 +104,14 @@ class StepReport:
     def add(self, other: StepReport, *, same_step: bool = False) -> StepReport:
         """This report plus ``other`` (a new object): sums and both lists.
 
-        ``same_step``: the two are workers of one step, whose forwards overlap, so the
-        longest forward counts; successive steps' forward times sum.
+        ``same_step``: the two are workers of one step (tensor-parallel ranks), whose
+        forwards and fetches overlap, so the longest of each counts (the fetch rate is
+        every rank's bytes over that time); successive steps' times sum.
         """
         out = StepReport()
         for f in fields(StepReport):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if same_step and f.name == "forward_seconds":
+            if same_step and f.name in _OVERLAPPING:
                 setattr(out, f.name, max(mine, theirs))
             else:
                 setattr(out, f.name, mine + theirs)

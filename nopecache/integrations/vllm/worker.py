@@ -10,30 +10,42 @@ Runs in each vLLM worker process, on the model runner's thread, around every for
                                per layer), hand them to the client's store queue
                                (``wait=False``: the network runs in the background)
 
-Loads are synchronous by default: vLLM schedules the request's forward right after, so
-the KV must be in place before it. With ``load_async`` they run on a background thread
-while vLLM keeps stepping other requests; the request waits until ``finished_loads``
-reports it (vLLM's async-receive protocol). A hit that fails verification, a server that dies mid-fetch, or
+Loads run on a background thread by default (``load_async``) while vLLM keeps stepping
+other requests; the request waits until ``finished_loads`` reports it (vLLM's
+async-receive protocol). Blend loads, and every load with ``load_async=false``, run
+before the step's forward: vLLM schedules the request's forward right after, so the KV
+must be in place before it. A hit that fails verification, a server that dies mid-fetch, or
 any error while placing marks the blocks it covers as failed loads: vLLM recomputes
 them (``get_block_ids_with_load_errors``), and nothing wrong is ever attended to.
 vLLM's K is post-RoPE, so blocks are stored with ``form="rope"`` at their positions:
 exact-prefix blocks stay bit-exact, position-independent ones are un-rotated once.
+
+Tensor parallel: each rank holds ``num_kv_heads / tp`` heads and stores and fetches only
+those, as blocks of ``kv_head_group`` heads keyed per group (``client/head_groups.py``),
+one client per group. The scheduler's plan is keyed under the first group; a rank
+rekeys it for each of its groups. A rank whose fetch fails reports its blocks as failed
+loads; vLLM unions the ranks' failed blocks (``KVOutputAggregator``) and recomputes them
+on every rank, so no request ever mixes loaded heads with recomputed ones. Per-request
+token counts are reported by rank 0 only (every rank loads the same tokens); bytes,
+seconds and failed blocks by every rank, and vLLM sums them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from nopecache.client.errors import NopecacheError
 from nopecache.client.fetching import FetchResult
+from nopecache.client.head_groups import HeadGroup, rekey_plan
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm.blend import blend_layout
 from nopecache.integrations.vllm.blend_loop import (
@@ -58,9 +70,23 @@ from nopecache.integrations.vllm.metadata import (
 )
 from nopecache.recompute.selective import run_selective
 
-__all__ = ["WorkerSide", "layer_index"]
+__all__ = ["PER_REQUEST_COUNTS", "WorkerSide", "layer_index"]
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown in vLLM's log
+
+PER_REQUEST_COUNTS = (
+    "loaded_exact_tokens",
+    "loaded_pi_tokens",
+    "saved_tokens",
+    "computed_tokens",
+    "blend_miss_tokens",
+    "pi_token_layers",
+    "recomputed_token_layers",
+    "blend_fallbacks",
+    "blend_token_layers",
+)
+"""StepReport counts that are the same on every tensor-parallel rank (tokens of the
+requests): reported by rank 0 only, so vLLM's sum over ranks counts each token once."""
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 # A step computing fewer tokens is decode-dominated: its rate says nothing about prefill.
@@ -79,12 +105,25 @@ class WorkerSide:
     """Loads and saves for one worker (see the module docstring)."""
 
     def __init__(
-        self, config: ConnectorConfig, model: ModelIdentity, client: CacheClient | None
+        self,
+        config: ConnectorConfig,
+        model: ModelIdentity,
+        client: CacheClient | None,
+        groups: Sequence[tuple[HeadGroup, CacheClient]] | None = None,
+        tp_rank: int = 0,
     ) -> None:
-        """A worker half using ``client`` (None: the connector loads and stores nothing)."""
+        """A worker half using ``client`` (None: the connector loads and stores nothing).
+
+        ``groups``: the rank's head groups, each with the client keyed under it (None:
+        one group of every head, through ``client``).
+        """
         self.config = config
         self.model = model
         self.client = client
+        self.tp_rank = tp_rank
+        if groups is None and client is not None:
+            groups = [(model.head_groups(tp_rank)[0], client)]
+        self.groups: tuple[tuple[HeadGroup, CacheClient], ...] = tuple(groups or ())
         self.layout: KVLayout | None = None
         self.caches: tuple[torch.Tensor, ...] = ()
         # Guards _errors and _report: background loads add to them.
@@ -111,7 +150,7 @@ class WorkerSide:
                 name,
                 cache,
                 block_size=self.model.block_size,
-                num_kv_heads=self.model.num_kv_heads,
+                num_kv_heads=self.model.rank_kv_heads,
                 head_dim=self.model.head_dim,
             )
             for name, cache in ordered
@@ -208,17 +247,12 @@ class WorkerSide:
 
     def _load_one(self, spec: LoadSpec) -> None:
         claimed = range(spec.start, spec.end)
-        if self.client is None or self.layout is None:
+        if not self.groups or self.layout is None:
             self._fail(spec, claimed)
             return
-        # Every block lands in vLLM's pages through the client's paged contract and the
-        # fused re-RoPE scatter: no whole-plan tensor, no second copy.
-        into = self.layout.paged(self.caches, self._slot_mapping(spec))
         started = time.perf_counter()
         try:
-            result = self.client.fetch(spec.plan, spec.tokens, into=into)
-            if result.ready is not None:
-                result.ready.synchronize()  # placed before vLLM's forward reads the pages
+            result = self._fetch_groups(spec)
         except NopecacheError as err:
             log.warning("nopecache fetch for %s failed: %s", spec.req_id, err)
             self._fail(spec, claimed)
@@ -245,6 +279,37 @@ class WorkerSide:
             self._report.loaded_exact_tokens += spec.exact_tokens
             self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
             self._report.loaded_bytes += result.nbytes
+
+    def _fetch_groups(self, spec: LoadSpec) -> FetchResult:
+        """Fetch every head group of the rank into its heads of the claimed slots.
+
+        Every block lands in vLLM's pages through the client's paged contract and the
+        fused re-RoPE scatter: no whole-plan tensor, no second copy. A position counts
+        as loaded when every group's block for it loaded (the masks' AND).
+        """
+        assert self.layout is not None
+        slots = self._slot_mapping(spec)
+        lookup = self.model.lookup_fingerprint
+        result: FetchResult | None = None
+        for group, client in self.groups:
+            plan = spec.plan
+            if group.fingerprint != lookup:
+                plan = rekey_plan(plan, spec.tokens, group.fingerprint, self.config.namespace)
+            heads = None
+            if group.num_heads != self.model.rank_kv_heads:
+                heads = slice(group.local_start, group.local_start + group.num_heads)
+            got = client.fetch(plan, spec.tokens, into=self.layout.paged(self.caches, slots, heads))
+            if got.ready is not None:
+                got.ready.synchronize()  # placed before vLLM's forward reads the pages
+            result = (
+                got
+                if result is None
+                else dataclasses.replace(
+                    got, mask=result.mask & got.mask, nbytes=result.nbytes + got.nbytes
+                )
+            )
+        assert result is not None
+        return result
 
     def _blend_one(self, spec: LoadSpec, result: FetchResult) -> None:
         """Run the layer loop over ``[start, end)``, whose loaded hits the fetch placed.
@@ -302,40 +367,48 @@ class WorkerSide:
 
     def save(self, plan: StepPlan) -> None:
         """Copy every save's blocks out of the cache and queue their store."""
-        if self.client is not None and self.layout is not None:
+        if self.groups and self.layout is not None:
             for spec in plan.saves:
                 self._save_one(spec)
         self._end_step(plan)
 
     def _save_one(self, spec: SaveSpec) -> None:
-        assert self.client is not None and self.layout is not None
+        assert self.layout is not None
         n = len(spec.tokens)
         rows = len(spec.block_ids) * self.model.block_size  # whole blocks, the last partial
-        shape = (self.model.num_layers, rows, self.model.num_kv_heads, self.model.head_dim)
+        shape = (self.model.num_layers, rows, self.model.rank_kv_heads, self.model.head_dim)
         k = torch.empty(shape, dtype=self.model.dtype)
         v = torch.empty(shape, dtype=self.model.dtype)
         ids = torch.tensor(spec.block_ids, dtype=torch.int64)
         for layer, cache in enumerate(self.caches):
             self.layout.read_blocks_into(cache, ids, k[layer], v[layer])
         k, v = k[:, :n], v[:, :n]
-        try:
-            report = self.client.store(
-                spec.tokens,
-                (k, v),
-                0,
-                form="rope",
-                segments=self.config.segments(spec.tokens),
-                namespace=self.config.namespace,
-                wait=False,
-            )
-        except NopecacheError as err:
-            log.warning("nopecache store for %s refused: %s", spec.req_id, err)
-            report = None
+        stored = True
+        for group, client in self.groups:
+            if group.num_heads == self.model.rank_kv_heads:
+                gk, gv = k, v
+            else:  # one group of the rank's heads, as its own block
+                heads = slice(group.local_start, group.local_start + group.num_heads)
+                gk, gv = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
+            try:
+                report = client.store(
+                    spec.tokens,
+                    (gk, gv),
+                    0,
+                    form="rope",
+                    segments=self.config.segments(spec.tokens),
+                    namespace=self.config.namespace,
+                    wait=False,
+                )
+            except NopecacheError as err:
+                log.warning("nopecache store for %s refused: %s", spec.req_id, err)
+                report = None
+            stored = stored and report is not None and not report.dropped
         with self._lock:
-            if report is None or report.dropped:
-                self._report.save_dropped += 1
-            else:
+            if stored:
                 self._report.saved_tokens += n
+            else:
+                self._report.save_dropped += 1
 
     def _end_step(self, plan: StepPlan) -> None:
         if self._step_start is None:
@@ -355,9 +428,13 @@ class WorkerSide:
         return errors
 
     def take_report(self) -> StepReport | None:
-        """What this worker did since the last call (None if nothing)."""
+        """What this worker did since the last call (None if nothing); on ranks other
+        than 0 without the per-request token counts, which rank 0 reports for all."""
         with self._lock:
             report, self._report = self._report, StepReport()
+        if self.tp_rank != 0:
+            for name in PER_REQUEST_COUNTS:
+                setattr(report, name, 0)
         return None if report == StepReport() else report
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ def test_a_held_lookup_costs_its_request_steps_not_the_batch(slow: SlowServer) -
             num_scheduled_tokens={},
             total_num_scheduled_tokens=0,
         )
-        b.worker.load(b.scheduler.build_step(output))
+        b.load(b.scheduler.build_step(output))
         assert b.worker.take_errors() == set()
         for layer in range(LAYERS):
             assert torch.equal(b.cache(layer)[:, [5, 6, 7]], a.cache(layer)[:, [3, 0, 2]])
@@ -104,3 +104,12 @@ def test_lookup_wait_default_and_value() -> None:
     url = "nopecache://127.0.0.1:1"
     assert ConnectorConfig.from_extra_config({"url": url}).lookup_wait_ms == 2.0
     assert ConnectorConfig.from_extra_config({"url": url, "lookup_wait_ms": 0}).lookup_wait_ms == 0
+
+
+def test_loads_run_in_the_background_by_default() -> None:
+    url = "nopecache://127.0.0.1:1"
+    assert ConnectorConfig.from_extra_config({"url": url}).load_async is True
+    off = ConnectorConfig.from_extra_config({"url": url, "load_async": False})
+    assert off.load_async is False
+    with pytest.raises(ConnectorConfigError, match="load_async"):
+        ConnectorConfig.from_extra_config({"url": url, "load_async": "yes"})

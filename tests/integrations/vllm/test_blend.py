@@ -151,7 +151,7 @@ def test_blend_claim_covers_a_moved_segment_and_salts_vllms_hashes(blend_pair: A
     assert totals.blend_claimed_tokens == 20 and totals.claimed_pi_tokens == 12
     # This worker has no model to run the loop: the claim falls back, never wrong KV.
     b.worker.refuse_blend("no model in this test")
-    b.worker.load(step)
+    b.load(step)
     assert b.worker.take_errors() == {4, 5, 6, 7, 8}  # vLLM recomputes the whole range
     report = b.worker.take_report()
     assert report is not None and report.blend_fallbacks == 1

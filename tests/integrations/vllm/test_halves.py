@@ -90,7 +90,7 @@ def test_a_claim_whose_server_died_is_a_load_error(
         num_scheduled_tokens={},
         total_num_scheduled_tokens=0,
     )
-    b.worker.load(b.scheduler.build_step(output))
+    b.load(b.scheduler.build_step(output))
     assert b.worker.take_errors() == {5, 6, 7}
     assert all(torch.equal(b.cache(i), before[i]) for i in range(LAYERS))
     # With the server gone, the next lookup claims nothing.

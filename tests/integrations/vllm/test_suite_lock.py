@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -33,35 +33,47 @@ def test_a_suite_queued_behind_another_waits_longer_than_its_test_timeout(tmp_pa
         )
     )
     (suite / "test_one.py").write_text("def test_runs():\n    pass\n")
-    held = open(lock_path, "w")  # noqa: SIM115 - released by the timer below
+    held = open(lock_path, "w")  # noqa: SIM115 - closed below, which releases it
     fcntl.flock(held, fcntl.LOCK_EX)
-    # The other suite holds the lock 3 s, longer than this suite's 1 s test timeout.
-    release = threading.Timer(3.0, held.close)
-    release.start()
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "timeout=1",
+            "--rootdir",
+            str(suite),
+            str(suite),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
-        child = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-o",
-                "timeout=1",
-                "--rootdir",
-                str(suite),
-                str(suite),
-            ],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            timeout=600,  # a hang guard only: the child waits ~3 s
-            check=False,
-        )
-    finally:
-        release.cancel()
+        assert child.stderr is not None
+        seen: list[str] = []
+        # Until the child says it waits (its start-up takes seconds on a loaded machine;
+        # a timer that released the lock after 3 s raced it, and the test's own timeout
+        # guards a hang here). Then the other suite holds the lock 2 s more, longer than
+        # this suite's 1 s test timeout.
+        for line in child.stderr:
+            seen.append(line)
+            if "another suite holds it" in line:
+                break
+        time.sleep(2.0)
         held.close()
-    assert child.returncode == 0, child.stdout + child.stderr
-    assert f"waiting for {lock_path}: another suite holds it" in child.stderr
-    assert "1 passed" in child.stdout
+        out, err = child.communicate(timeout=600)  # a hang guard only
+    finally:
+        held.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    stderr = "".join(seen) + err
+    assert child.returncode == 0, out + stderr
+    assert f"waiting for {lock_path}: another suite holds it" in stderr
+    assert "1 passed" in out

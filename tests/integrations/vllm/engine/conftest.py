@@ -46,7 +46,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> Iterato
     logs = tmp_path_factory.mktemp("engines")
 
     def factory(**kwargs: object) -> EngineProc:
-        config = EngineConfig(model=model_dir, **kwargs)  # type: ignore[arg-type,unused-ignore]
+        # ``model=`` overrides SmolLM2 (e.g. the tiny Llama of the tensor-parallel tests).
+        config = EngineConfig(**{"model": model_dir, **kwargs})  # type: ignore[arg-type,unused-ignore]
         proc = EngineProc(config, logs / f"engine-{len(started)}.log")
         started.append(proc)
         return proc.start()

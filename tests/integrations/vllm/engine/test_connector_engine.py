@@ -191,8 +191,9 @@ def test_bf16_never_reads_fp32_blocks(
     a32.generate(prompts[0], max_tokens=4)
     _wait_stored(redis, len(prompts[0]) // BLOCK)
     # B16 only reads (save off), so what it claims later can only come from A16; it
-    # loads in the background (load_async), the request waiting for it.
-    b16 = engines(dtype="bfloat16", connector=_connector(server, save=False, load_async=True))
+    # loads before the step's forward (load_async off), where every other engine here
+    # loads in the background (the default), the request waiting for it.
+    b16 = engines(dtype="bfloat16", connector=_connector(server, save=False, load_async=False))
     out = b16.generate(prompts[1], max_tokens=12)
     assert out["cached"] == 0
     assert _metric(b16, "loaded_exact_tokens") == 0

@@ -1,0 +1,471 @@
+"""Client side of same-host zero copy: the server's pool mapped read-only, read leases.
+
+For a server on this host (chosen as for shared memory, ``shm=auto``), the connection's
+:class:`ZeroCopySource` opens the server's host-tier pool once (OpenArena, then the
+descriptor over the server's Unix socket: ``nopecache/cache_server/zero_copy.py`` has the
+handshake) and maps it whole, ``PROT_READ``. A Get becomes LeaseGet: the server answers
+where each block lies in the pool under one read lease, and each block is yielded as a
+read-only view of the mapping, so the placement path (checksums verified, then the fused
+re-RoPE scatter) reads the tier's own pages: one copy in all, into the paged cache.
+
+    leased, one page run        a view of the mapping (no copy)
+    leased, several runs        gathered into a pooled buffer (one copy more)
+    not leased                  the copying paths (``fallback``: the shm segment, the bulk
+                                stream, gRPC), in key order with the rest
+
+Lease lifetime. Every leased block has its own lease, held by its view (a finalizer):
+once the view is gone (the block was placed) the lease id is queued and sent with
+ReleaseLeases, batched, off the fetch's path. The server leases a call's keys in order
+until its share (``zero_copy_share``) is held and says how many it tried; the rest are
+asked for again as soon as some of ours are released (placement frees them block by
+block), or, when none comes within ``space_wait_s``, fetched by the fallback. The server
+ends a lease by itself
+``ttl`` after granting it (a crashed client's pages come back); a view is yielded only
+while more than ``_MARGIN`` of that is left, so a block is verified and placed long
+before its pages may be reused (placing takes milliseconds, the TTL is 30 s by default).
+
+Refusals (another host, several tenants on the server, an old server, a pinned pool)
+make the connection use the fallback from then on; a server that no longer knows the
+pool (restarted) is opened again on a later call.
+
+CUDA: with ``cuda_register`` the mapping is registered as page-locked memory
+(``cudaHostRegister``, read-only), so a copy from it to a GPU is one DMA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import mmap
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from nopecache.client import pinned
+from nopecache.client.errors import ArenaRefusedError, TransportError
+from nopecache.client.transport import BlockSource, ServerConnection
+from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.arena_layout import (
+    HANDOFF_OK,
+    LEASE_ID_BYTES,
+    MAX_ERROR_BYTES,
+    unpack_runs,
+)
+from nopecache.proto.contract import KEY_BYTES, method_path
+
+__all__ = ["Arena", "ZeroCopySource", "receive_arena_fd"]
+
+log = logging.getLogger(__name__)
+
+# A leased view is yielded only while the lease has more than this left (or a quarter of
+# its TTL, if shorter): verifying and placing a block takes milliseconds.
+_MARGIN_S = 2.0
+_REOPEN_INTERVAL_S = 10.0
+_HANDOFF_TIMEOUT_S = 5.0
+# Failures that are about the server's availability: raised to the connection.
+_TRANSIENT = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+# cudaHostRegisterPortable | cudaHostRegisterReadOnly: the mapping is PROT_READ.
+_CUDA_REGISTER_FLAGS = 0x01 | 0x08
+
+
+def receive_arena_fd(socket_name: str, nonce: bytes, timeout: float = _HANDOFF_TIMEOUT_S) -> int:
+    """Redeem ``nonce`` at the server's abstract Unix socket: the pool's read-only
+    descriptor. Raises ArenaRefusedError with the server's reason, OSError when the socket
+    cannot be reached."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout)
+        sock.connect("\0" + socket_name)
+        sock.sendall(nonce)
+        msg, fds, _, _ = socket.recv_fds(sock, MAX_ERROR_BYTES + 1, 1)
+        if msg[:1] == HANDOFF_OK and len(fds) == 1:
+            return fds[0]
+        for fd in fds:
+            os.close(fd)
+        rest = msg[1:]
+        with contextlib.suppress(OSError):
+            while len(rest) < MAX_ERROR_BYTES and (more := sock.recv(MAX_ERROR_BYTES)):
+                rest += more
+        raise ArenaRefusedError(
+            rest.decode(errors="replace") or "the server closed the socket without an answer"
+        )
+
+
+def _cuda_present() -> bool:
+    """Whether torch is loaded and sees a GPU (never imports torch for it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_available())
+
+
+class Arena:
+    """The server's pool, mapped read-only; ``arena`` is its id (OpenArenaReply.arena)."""
+
+    def __init__(self, fd: int, size: int, arena: bytes) -> None:
+        """Map ``size`` bytes of ``fd`` (not closed here). Raises ArenaRefusedError when the
+        descriptor is not a pool of that size, or could be written through."""
+        st = os.fstat(fd)
+        if st.st_size != size:
+            raise ArenaRefusedError(f"arena: descriptor of {st.st_size} bytes, reply says {size}")
+        self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self.size = size
+        self.arena = arena
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        self.cuda_registered = False
+
+    def register_cuda(self) -> bool:
+        """Page-lock the mapping for CUDA (one DMA per copy to a GPU); whether it worked.
+        Only where torch sees a GPU."""
+        import torch  # deferred: only a CUDA paged cache needs it
+
+        if not torch.cuda.is_available() or self.cuda_registered:
+            return self.cuda_registered
+        cudart = torch.cuda.cudart()
+        ptr = self.array.ctypes.data
+        err = cudart.cudaHostRegister(ptr, self.size, _CUDA_REGISTER_FLAGS)
+        code = int(getattr(err, "value", err))
+        if code:
+            log.info("cudaHostRegister of the pool mapping failed (error %d): pageable", code)
+            return False
+        self.cuda_registered = True
+        pinned.add(ptr, self.size)
+        return True
+
+    def close(self) -> None:
+        """Unregister and unmap (the mapping stays while views of it live)."""
+        if self.cuda_registered:
+            import torch
+
+            pinned.remove(self.array.ctypes.data)
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            self.cuda_registered = False
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+class ZeroCopySource:
+    """The BlockSource of one same-host connection: leased views of the mapped pool, the
+    ``fallback`` source for whatever is not leased (module docstring)."""
+
+    def __init__(
+        self,
+        conn: ServerConnection,
+        fallback: BlockSource,
+        *,
+        count: Callable[[bool, int], None] = lambda leased, nbytes: None,
+        cuda_register: bool | None = None,
+        space_wait_s: float = 2.0,
+    ) -> None:
+        """A source for ``conn``; ``count(leased, nbytes)`` hears every block yielded;
+        ``cuda_register`` page-locks the mapping for CUDA (None: when torch sees a GPU);
+        past the server's share, wait up to ``space_wait_s`` for our leases to end."""
+        self._conn = conn
+        self._fallback = fallback
+        self._count = count
+        self._cuda_register = cuda_register
+        self.arena: Arena | None = None
+        self._refused = False
+        self._closed = False
+        self._last_open = -math.inf
+        self._open_lock: asyncio.Lock | None = None
+        self._lock = threading.Lock()
+        self._pending: list[bytes] = []
+        self._held = 0  # leases granted to us and not released yet
+        self._freed = asyncio.Event()
+        self._space_wait_s = space_wait_s
+        self._flushing: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.released = 0  # leases the server confirmed released
+
+    @property
+    def refused(self) -> bool:
+        """Whether the server refused zero copy for good (the fallback serves)."""
+        return self._refused
+
+    async def warm(self) -> None:
+        """Open the pool (and the fallback's session) now instead of on the first Get."""
+        await self._ready()
+        warm = getattr(self._fallback, "warm", None)
+        if warm is not None:
+            await warm()
+
+    def _call(self, name: str, req: Any, rep: Any) -> grpc.aio.UnaryUnaryMultiCallable:
+        return self._conn.channel.unary_unary(
+            method_path(name),
+            request_serializer=req.SerializeToString,
+            response_deserializer=rep.FromString,
+        )
+
+    # -- the mapping --------------------------------------------------------------------
+    async def _ready(self) -> Arena | None:
+        if self.arena is not None or self._refused or self._closed:
+            return self.arena
+        if time.monotonic() - self._last_open < _REOPEN_INTERVAL_S:
+            return None
+        if self._open_lock is None:
+            self._open_lock = asyncio.Lock()
+        async with self._open_lock:
+            if self.arena is None and not self._refused and not self._closed:
+                await self._open()
+        return self.arena
+
+    def _refuse(self, why: str) -> None:
+        self._refused = True
+        log.info("nopecache %s: no zero copy (%s); copying paths", self._conn.address, why)
+
+    async def _open(self) -> None:
+        self._last_open = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        call = self._call("OpenArena", pb.OpenArenaRequest, pb.OpenArenaReply)
+        try:
+            reply: pb.OpenArenaReply = await call(
+                pb.OpenArenaRequest(pid=os.getpid()),
+                timeout=self._conn.config.control_timeout_s,
+                metadata=self._conn.metadata,
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _TRANSIENT:
+                raise
+            self._refuse(f"OpenArena failed: {e.code().name} {e.details()}")
+            return
+        if reply.refused or not reply.nonce:
+            self._refuse(f"the server offers no pool: {reply.refused}")
+            return
+        try:
+            fd = await asyncio.to_thread(receive_arena_fd, reply.socket, reply.nonce)
+        except (ArenaRefusedError, OSError) as e:
+            self._refuse(f"no descriptor of the pool: {e}")
+            return
+        try:
+            arena = Arena(fd, reply.size, reply.arena)
+        except (ArenaRefusedError, OSError, ValueError) as e:
+            self._refuse(f"cannot map the pool: {e}")
+            return
+        finally:
+            os.close(fd)
+        if self._cuda_register or (self._cuda_register is None and _cuda_present()):
+            arena.register_cuda()
+        self.arena = arena
+
+    # -- blocks -------------------------------------------------------------------------
+    async def __call__(
+        self, keys: bytes, timeout: float
+    ) -> AsyncIterator[tuple[int, memoryview | None]]:
+        """Stream the blocks of ``keys`` in order: leased views, the rest by the fallback.
+
+        Leases come in rounds: the server leases keys in order until its share is held;
+        the rest are asked for again once blocks of ours were placed and released (within
+        ``space_wait_s``), else taken by the fallback."""
+        n = len(keys) // KEY_BYTES
+        deadline = time.monotonic() + timeout
+        arena = await self._ready() if n else None
+        i = 0
+        while arena is not None and arena is self.arena and i < n:
+            reply = await self._lease(arena, keys[i * KEY_BYTES :], deadline)
+            if reply is None:
+                break
+            leased, runs, lease_deadline = reply
+            tried = len(leased)
+            at = 0
+            while at < tried:
+                if leased[at] and time.monotonic() < lease_deadline:
+                    view = self._view(arena, leased[at], runs[at])
+                    self._count(True, view.nbytes)
+                    yield i + at, view
+                    del view  # the consumer's reference is the one that holds the lease
+                    at += 1
+                    continue
+                if leased[at]:  # too close to its expiry to be placed from: released
+                    self._queue(leased[at])
+                end = at + 1  # the next keys the leases do not serve
+                while end < tried and not leased[end]:
+                    end += 1
+                async for item in self._through_fallback(keys, i + at, i + end, deadline):
+                    yield item
+                at = end
+            i += tried
+            if i < n and not await self._released_some(deadline):
+                break
+        if i < n:
+            async for item in self._through_fallback(keys, i, n, deadline):
+                yield item
+
+    async def _lease(
+        self, arena: Arena, keys: bytes, deadline: float
+    ) -> tuple[list[bytes], list[list[tuple[int, int]]], float] | None:
+        """One LeaseGet: each tried key's lease id (b"": not leased), runs, and the time
+        (local clock) until which the leases may be read from; None: use the fallback."""
+        call = self._call("LeaseGet", pb.LeaseGetRequest, pb.LeaseGetReply)
+        sent = time.monotonic()
+        try:
+            reply: pb.LeaseGetReply = await call(
+                pb.LeaseGetRequest(keys=keys, arena=arena.arena),
+                timeout=max(0.001, deadline - sent),
+                metadata=self._conn.metadata,
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _TRANSIENT:
+                raise
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._drop(arena)  # the server restarted: open it again later
+            else:
+                self._refuse(f"LeaseGet failed: {e.code().name} {e.details()}")
+            return None
+        leased, runs = self._check(reply, len(keys) // KEY_BYTES, arena)
+        with self._lock:
+            self._held += sum(1 for lid in leased if lid)
+        ttl = reply.ttl_ms / 1000
+        return leased, runs, sent + ttl - min(_MARGIN_S, ttl / 4)
+
+    def _check(
+        self, reply: pb.LeaseGetReply, n: int, arena: Arena
+    ) -> tuple[list[bytes], list[list[tuple[int, int]]]]:
+        tried = reply.tried
+        if tried > n or len(reply.tiers) != tried:
+            raise TransportError(
+                f"LeaseGetReply.tiers/tried: {len(reply.tiers)} codes, {tried} tried, {n} keys"
+            )
+        try:
+            runs = unpack_runs(reply.run_counts, reply.runs, tried)
+        except ValueError as e:
+            raise TransportError(f"LeaseGetReply.{e}") from e
+        codes = bytes(reply.tiers)
+        if len(reply.leases) != LEASE_ID_BYTES * sum(1 for c in codes if c):
+            raise TransportError("LeaseGetReply.leases: not one id per leased key")
+        ids = iter(
+            reply.leases[j : j + LEASE_ID_BYTES]
+            for j in range(0, len(reply.leases), LEASE_ID_BYTES)
+        )
+        leased = []
+        for code, key_runs in zip(codes, runs, strict=True):
+            if bool(code) != bool(key_runs):
+                raise TransportError("LeaseGetReply: tier codes and runs disagree")
+            for offset, length in key_runs:
+                if length <= 0 or offset + length > arena.size:
+                    raise TransportError(
+                        f"LeaseGetReply.runs: [{offset}, {offset + length}) outside the pool "
+                        f"of {arena.size} bytes"
+                    )
+            leased.append(next(ids) if code else b"")
+        return leased, runs
+
+    def _view(self, arena: Arena, lid: bytes, runs: list[tuple[int, int]]) -> memoryview:
+        """A read-only view of a leased block, holding its lease while it lives."""
+        if len(runs) > 1:  # pages in several places: gathered (one copy more), released
+            out = self._conn.pool.take(sum(length for _, length in runs))
+            at = 0
+            for offset, length in runs:
+                out[at : at + length] = arena.mm[offset : offset + length]
+                at += length
+            self._queue(lid)
+            return out
+        offset, length = runs[0]
+        arr = arena.array[offset : offset + length]
+        weakref.finalize(arr, self._queue, lid)
+        return arr.data
+
+    async def _through_fallback(
+        self, keys: bytes, start: int, end: int, deadline: float
+    ) -> AsyncIterator[tuple[int, memoryview | None]]:
+        it = self._fallback(
+            keys[start * KEY_BYTES : end * KEY_BYTES], max(0.001, deadline - time.monotonic())
+        )
+        try:
+            async for index, blob in it:
+                if blob is not None:
+                    self._count(False, blob.nbytes)
+                yield start + index, blob
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]  # an async generator
+
+    async def _released_some(self, deadline: float) -> bool:
+        """Wait (up to ``space_wait_s``) until a lease of ours is released: whether one
+        was (False at once when we hold none: others hold the share)."""
+        limit = min(deadline, time.monotonic() + self._space_wait_s)
+        while True:
+            with self._lock:
+                held = self._held
+            if not held:
+                return False
+            self._freed.clear()
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._freed.wait(), remaining)
+                return True
+            except TimeoutError:
+                return False
+
+    # -- releases -----------------------------------------------------------------------
+    def _queue(self, lid: bytes) -> None:
+        """Queue the release of lease ``lid`` (any thread: a view died after placement)."""
+        with self._lock:
+            self._pending.append(lid)
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the TTL ends it
+                loop.call_soon_threadsafe(self._schedule_flush)
+
+    def _schedule_flush(self) -> None:
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        call = self._call("ReleaseLeases", pb.ReleaseLeasesRequest, pb.ReleaseLeasesReply)
+        while True:
+            with self._lock:
+                ids, self._pending = self._pending, []
+            if not ids:
+                return
+            try:
+                reply: pb.ReleaseLeasesReply = await call(
+                    pb.ReleaseLeasesRequest(leases=b"".join(ids)),
+                    timeout=self._conn.config.control_timeout_s,
+                    metadata=self._conn.metadata,
+                )
+            except grpc.aio.AioRpcError as e:
+                # Not fatal: the server ends them at their TTL.
+                log.debug("ReleaseLeases failed (%s): the leases expire", e.code().name)
+                reply = pb.ReleaseLeasesReply()
+            with self._lock:
+                self._held -= len(ids)
+            self.released += reply.released
+            self._freed.set()
+
+    async def settle(self) -> None:
+        """Wait until every queued release is sent (tests, close)."""
+        while self._flushing is not None and not self._flushing.done():
+            await asyncio.shield(self._flushing)
+        with self._lock:
+            pending = bool(self._pending)
+        if pending:
+            self._schedule_flush()
+            await self.settle()
+
+    def _drop(self, arena: Arena) -> None:
+        if self.arena is arena:
+            self.arena = None
+        arena.close()
+
+    async def close(self) -> None:
+        """Send queued releases, unmap the pool, close the fallback."""
+        self._closed = True
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.settle()
+        if self.arena is not None:
+            self._drop(self.arena)
+        close = getattr(self._fallback, "close", None)
+        if close is not None:
+            await close()

@@ -1,0 +1,84 @@
+"""Several bulk streams to one server (``ClientConfig.bulk_streams``): a Get's keys dealt
+out across the sockets, blocks yielded in key order, a broken stream turning the rest
+into misses. Real server processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nopecache.client.bulk import BulkSource
+from nopecache.client.config import BULK_STREAMS_MAX
+from nopecache.client.errors import InvalidArgumentError
+from nopecache.client.transport import ServerConnection
+from tests.client.test_transport import blob_of, config
+from tests.support.server_harness import key_of
+from tests.support.server_procs import CacheServerProc, ServerFactory
+
+
+def connection(server: CacheServerProc, streams: int) -> ServerConnection:
+    return ServerConnection(
+        server.address, config(server.address, bulk_streams=streams), data_path=BulkSource
+    )
+
+
+async def _split_in_order(server: CacheServerProc) -> None:
+    keys = [key_of(i) for i in range(11)]
+    blobs = [blob_of(k, 64 * (1 + i % 4)) for i, k in enumerate(keys)]  # sizes differ
+    stored = [i for i in range(11) if i not in (4, 7)]  # two misses among the hits
+    writer = connection(server, 1)
+    assert all(r.ok for r in await writer.put([(keys[i], blobs[i]) for i in stored]))
+    await writer.close()
+    want = [(i, blobs[i] if i in stored else None) for i in range(11)]
+    for streams in (1, 3, 16):
+        conn = connection(server, streams)
+        got = [(i, None if b is None else bytes(b)) async for i, b in conn.get(b"".join(keys))]
+        source = conn.data_blocks
+        assert isinstance(source, BulkSource)
+        # Every stream went back to the idle list: as many sockets as the call used (at
+        # most one per key), none of them on gRPC.
+        assert (len(source._idle), source.grpc_calls) == (min(streams, 11), 0)
+        assert source.bulk_blocks == len(stored)
+        assert got == want, f"{streams} streams"
+        # The same call again reuses the idle sockets.
+        again = [(i, None if b is None else bytes(b)) async for i, b in conn.get(b"".join(keys))]
+        assert again == want and len(source._idle) == min(streams, 11)
+        await conn.close()
+
+
+def test_keys_split_across_streams_come_back_in_key_order(cache_server: CacheServerProc) -> None:
+    asyncio.run(_split_in_order(cache_server))
+
+
+async def _killed_mid_get(server: CacheServerProc) -> None:
+    conn = connection(server, 4)
+    keys = [key_of(i) for i in range(48)]
+    blobs = [blob_of(k, 2048) for k in keys]  # 512 KiB each: 24 MiB in all
+    assert all(r.ok for r in await conn.put(list(zip(keys, blobs, strict=True))))
+    stream = conn.get(b"".join(keys))
+    got = [await anext(stream)]
+    server.kill()
+    got += [item async for item in stream]  # no exception: misses
+    assert [i for i, _ in got] == list(range(48))
+    received = [i for i, b in got if b is not None]
+    assert received == list(range(len(received)))  # a prefix of the keys, then misses
+    assert 1 <= len(received) < 48
+    assert all(bytes(b) == blobs[i] for i, b in got if b is not None)
+    assert conn.is_down()
+    source = conn.data_blocks
+    assert isinstance(source, BulkSource) and source._idle == []  # broken sockets not kept
+    await conn.close()
+
+
+def test_a_server_killed_mid_get_on_several_streams_turns_the_rest_into_misses(
+    cache_servers: ServerFactory,
+) -> None:
+    (server,) = cache_servers(1)
+    asyncio.run(_killed_mid_get(server))
+
+
+@pytest.mark.parametrize("streams", [0, BULK_STREAMS_MAX + 1, 2.0, True])
+def test_bulk_streams_out_of_range_is_refused_naming_the_field(streams: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="bulk_streams"):
+        config("127.0.0.1:1", bulk_streams=streams)
