@@ -24,6 +24,14 @@ from _quality_prompts import CONTEXT_CHAT, CONTEXT_EMAILS, CONTEXT_NOTES, CONTEX
 from _quality_set import FILLER
 
 Message = tuple[str, str]  # (role, content)
+Expected = str | tuple[str, ...]
+"""A string the answer must contain, or several it must contain all of."""
+
+
+def holds(expected: Expected, text: str) -> bool:
+    """Whether ``text`` contains ``expected`` (every string of it), case-insensitive."""
+    wanted = (expected,) if isinstance(expected, str) else expected
+    return all(w.lower() in text.lower() for w in wanted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +41,11 @@ class Shape:
     name: str
     stored: tuple[Message, ...]
     target: tuple[Message, ...]  # without the question
-    questions: tuple[tuple[str, str], ...]  # (question, expected string in the answer)
+    questions: tuple[tuple[str, Expected], ...]  # (question, expected string(s) in the answer)
+    stored_more: tuple[tuple[Message, ...], ...] = ()
+    """Further prompts an engine answered earlier (stored after ``stored``, in order)."""
+    kind: str = ""
+    """The kind of bench/quality.py's set a shape made from one of its prompts has."""
 
     def asking(self, question: str) -> tuple[Message, ...]:
         """The target prompt's messages with ``question`` as the last user message."""

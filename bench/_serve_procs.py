@@ -149,6 +149,18 @@ class ServeProc:
                 )
             time.sleep(_POLL_S)
 
+    def check_alive(self) -> None:
+        """Raise, with the end of its log, if the server or its engine core has died (an
+        engine core that died makes the server exit; the log says why, e.g. a worker
+        OOM-killed)."""
+        assert self.proc is not None
+        code = self.proc.poll()
+        if code is not None or "EngineCore encountered a fatal error" in self.log_tail(1 << 20):
+            raise RuntimeError(
+                f"vllm serve {self.name} died (exit code {code}); end of {self.log_path}:\n"
+                f"{self.log_tail()}"
+            )
+
     def metrics(self) -> dict[str, float]:
         """``GET /metrics``, families summed over labels (see :func:`parse_metrics`)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:

@@ -10,9 +10,10 @@ Measured, each the best of ``--reps`` runs after a warm-up::
     grpc     CacheClient.fetch(plan, tokens, into=PagedKV) with ``shm=off``: Get streams,
              verification (checksums, key, fingerprint, token ids), placement into a
              vLLM-layout paged cache (blocks of 16 slots, shuffled block table), pipelined
-    shm      the same fetch with the default ``shm=auto``: the server copies each block
-             into a shared-memory segment (client/shm.py, the default 128 MiB), the
-             client verifies and places it from there (zero copies on the client)
+    shm      the same fetch with ``shm=auto`` and ``zero_copy=off``: the server copies
+             each block into a shared-memory segment (client/shm.py, the default
+             128 MiB), the client verifies and places it from there (zero copies on the
+             client); the same-host default, zero copy, is bench/dataplane.py's samehost
     memcpy   one torch copy of the same number of bytes between two preallocated
              buffers: the limit any transport into this memory has
     get      the gRPC Get streams alone (blocks received, nothing verified or placed)
@@ -135,7 +136,7 @@ def shm_get_alone(address: str, config: ClientConfig, plan: ReusePlan, reps: int
     keys = b"".join(h.key.value for h in plan.blocks)
 
     async def runs() -> float:
-        fast = ShmFastPath("auto")
+        fast = ShmFastPath("auto", zero_copy=False)
         conn = ServerConnection(address, config, fast_path=fast)
         times = []
         for rep in range(reps + 1):  # the first run attaches: not timed
@@ -227,7 +228,7 @@ def main() -> None:
             get_s, place_s = get_and_place_apart(
                 addr, config, client, plan, prompt, into, args.reps
             )
-        shm_config = replace(config, shm="auto")
+        shm_config = replace(config, shm="auto", zero_copy=False)
         with CacheClient(
             shm_config,
             fingerprint=fp,

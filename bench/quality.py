@@ -93,6 +93,7 @@ from nopecache.integrations.hf.forward import PrefillOutput
 from nopecache.proto.block import StoredForm
 from nopecache.recompute import policies as rc
 from nopecache.recompute.question import question
+from nopecache.recompute.relevance import relevance
 from tests.support.local_model import load_model, load_tokenizer
 
 # The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
@@ -143,6 +144,13 @@ CONFIGS: tuple[Config, ...] = (
     Config(question(BUDGET, 0.0, prescan=True), sink="dialog"),
     Config(question(BUDGET, 0.5, prescan=True), sink="dialog"),
     Config(question(BUDGET, 0.5, prescan=True, heads="max"), sink="dialog"),
+    Config(relevance(BUDGET, 0.5, "first"), sink="dialog"),
+    Config(relevance(BUDGET, 0.25, "first"), sink="dialog"),
+    Config(relevance(BUDGET, 0.5, "question"), sink="dialog"),
+    Config(relevance(BUDGET, 0.25, "question"), sink="dialog"),
+    Config(relevance(BUDGET, 0.75, "question"), sink="dialog"),
+    Config(relevance(BUDGET, 0.5, "question", window=2), sink="dialog"),
+    Config(relevance(BUDGET, 0.75, "question", window=1), sink="dialog"),
 )
 
 
@@ -314,7 +322,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=0, help="first N prompts of a half")
     parser.add_argument("--no-speed", action="store_true", help="skip the speed case")
     parser.add_argument(
-        "--configs", default="", help="only configurations whose label contains this"
+        "--configs",
+        default="",
+        help="only configurations whose label contains this (or one of several, split by |)",
     )
     parser.add_argument(
         "--quick",
@@ -362,7 +372,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 configs = [
                     c
                     for c in CONFIGS
-                    if c in named or (args.configs in c.label and not quick_configs)
+                    if c in named
+                    or (
+                        any(part in c.label for part in args.configs.split("|"))
+                        and not quick_configs
+                    )
                 ]
                 results[name] = evaluate(
                     engine, tokenizer, client, prompts, configs, stop, progress

@@ -33,8 +33,17 @@ fact_kept is, of the questions whose no-cache answer holds the fact, the share w
 answer does too. ``--pi-reuse contiguous`` runs the same with the contiguous mode in
 place of blend (no recompute) for comparison.
 
+``--set report`` (or ``both``, the default) runs bench/quality.py's report half too, one
+shape per prompt (``bench/_blend_report.py``: the context stored as an exact prefix, the
+chunks on their own or inside an earlier request, each chunk a message), the same steps,
+with a fact counted only where the no-cache answer holds it by ``FACT_MARGIN`` nats; a
+per-kind table follows.
+
 Last line: ``RESULT blend_ttft_speedup=... blend_reused=... blend_recompute=...
-blend_top1=... blend_kl=... blend_fact_kept=... prefix_mode_reused=...``.
+blend_top1=... blend_kl=... blend_fact_kept=... prefix_mode_reused=...
+report_blend_ttft_speedup=... report_blend_recompute=... report_blend_top1=...
+report_blend_kl=... report_blend_fact_kept=...``: the ``blend_*`` and ``prefix_*`` keys over
+the four shapes, the ``report_*`` keys over the report half (NaN where a set did not run).
 """
 
 from __future__ import annotations
@@ -53,11 +62,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
-from _blend_shapes import SHAPES, Message, Shape  # noqa: E402
+from _blend_report import FACT_MARGIN, fact_margin, report_shapes  # noqa: E402
+from _blend_shapes import SHAPES, Message, Shape, holds  # noqa: E402
 from _demo_scenario import chat_prompt  # noqa: E402
 from _vllm_measure import kl_top1  # noqa: E402
 from _vllm_procs import Started, bench_processes  # noqa: E402
 
+from nopecache.recompute.policies import DEFAULT_POLICY_NAME  # noqa: E402
 from tests.support.engine_proc import EngineConfig, EngineProc  # noqa: E402
 from tests.support.machine import core_for  # noqa: E402
 from tests.support.redis_procs import free_ports  # noqa: E402
@@ -73,6 +84,11 @@ RESULT_KEYS = (
     "blend_kl",
     "blend_fact_kept",
     "prefix_mode_reused",
+    "report_blend_ttft_speedup",
+    "report_blend_recompute",
+    "report_blend_top1",
+    "report_blend_kl",
+    "report_blend_fact_kept",
 )
 
 IM_START = 1  # SmolLM2's <|im_start|>: every chat message starts with it
@@ -123,6 +139,7 @@ class ShapeResult:
     """What one shape measured."""
 
     name: str
+    kind: str = ""
     prompt_tokens: int = 0
     ttft_ref: list[float] = field(default_factory=list)
     ttft_blend: list[float] = field(default_factory=list)
@@ -136,6 +153,7 @@ class ShapeResult:
     facts_kept: int = 0  # of those, the ones whose blend answer holds it too
     questions: int = 0
     answers: list[tuple[str, str, str]] = field(default_factory=list)  # question, ref, blend
+    margins: list[float | None] = field(default_factory=list)  # fact margins (report set)
 
     @property
     def blend_reused(self) -> float:
@@ -187,14 +205,33 @@ def _through_connector(engine: EngineProc, prompt: list[int]) -> list[Any]:
     return lps
 
 
-def run_shape(
-    shape: Shape, engines: Engines, ids: Any, address: str, rounds: int, max_answer: int
-) -> ShapeResult:
-    """Store, time and check one shape (steps 1-3 of the module docstring)."""
-    result = ShapeResult(shape.name)
+def _store(engines: Engines, prompt: list[int], address: str, stored: set[tuple[int, ...]]) -> None:
+    """The storing engine answers ``prompt``; returns once its KV landed (a prompt stored
+    before adds no entry: skipped)."""
+    if tuple(prompt) in stored:
+        return
     entries = wait_stored(address, at_least=0, timeout_s=30)
-    engines.store.generate(ids(shape.stored), max_tokens=1)
+    engines.store.generate(prompt, max_tokens=1)
     wait_stored(address, at_least=entries + 1)
+    stored.add(tuple(prompt))
+
+
+def run_shape(
+    shape: Shape,
+    engines: Engines,
+    ids: Any,
+    address: str,
+    rounds: int,
+    max_answer: int,
+    tokenizer: Any = None,
+    stored: set[tuple[int, ...]] | None = None,
+) -> ShapeResult:
+    """Store, time and check one shape (steps 1-3 of the module docstring). With a
+    ``tokenizer`` a fact counts only by ``FACT_MARGIN`` (``_blend_report.fact_margin``)."""
+    result = ShapeResult(shape.name, shape.kind)
+    stored = set() if stored is None else stored
+    for messages in (shape.stored, *shape.stored_more):
+        _store(engines, ids(messages), address, stored)
 
     first = ids(shape.asking(shape.questions[0][0]))
     result.prompt_tokens = len(first)
@@ -228,9 +265,15 @@ def run_shape(
         )
         blend_answer = engines.blend.generate(prompt, max_tokens=max_answer)
         result.questions += 1
-        if expected.lower() in ref_answer["text"].lower():
+        counted = holds(expected, ref_answer["text"])
+        if tokenizer is not None:
+            at = ref_lps["prompt_logprobs"][len(prompt) : len(prompt) + len(answer)]
+            margin = fact_margin(tokenizer, answer, at, expected)
+            result.margins.append(margin)
+            counted = margin is not None and margin >= FACT_MARGIN
+        if counted:
             result.facts_ref += 1
-            result.facts_kept += expected.lower() in blend_answer["text"].lower()
+            result.facts_kept += holds(expected, blend_answer["text"])
         result.answers.append((question, ref_answer["text"], blend_answer["text"]))
     return result
 
@@ -287,7 +330,9 @@ def _share(part: float, whole: float) -> float:
 
 
 def summary(results: list[ShapeResult]) -> dict[str, float]:
-    """The RESULT line's values (see the module docstring)."""
+    """The RESULT line's values (see the module docstring); NaN for a set not run."""
+    if not results:
+        return dict.fromkeys(RESULT_KEYS[:7], math.nan)
     prompt = sum(r.prompt_tokens for r in results)
     quality = Quality()
     for r in results:
@@ -308,6 +353,36 @@ def summary(results: list[ShapeResult]) -> dict[str, float]:
     }
 
 
+def report_summary(results: list[ShapeResult]) -> dict[str, float]:
+    """The RESULT line's ``report_*`` values: :func:`summary` over the report set."""
+    whole = summary(results)
+    return {key: whole[key.removeprefix("report_")] for key in RESULT_KEYS[7:]}
+
+
+def print_kinds(results: list[ShapeResult]) -> None:
+    """Per kind of the report set: prompts, reused share, TTFT speed-up, top-1, KL, facts."""
+    print()
+    print("| kind | prompts | reused | recompute | speed-up | top-1 | KL | prefix KL | facts |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in dict.fromkeys(r.kind for r in results):
+        rows = [r for r in results if r.kind == kind]
+        s = summary(rows)
+        prefix = Quality()
+        for r in rows:
+            prefix.kls += r.prefix_quality.kls
+        print(
+            f"| {kind} | {len(rows)} | {s['blend_reused']:.0%} | {s['blend_recompute']:.3f} "
+            f"| {s['blend_ttft_speedup']:.2f}x | {s['blend_top1']:.3f} | {s['blend_kl']:.4f} "
+            f"| {prefix.kl:.4f} | {sum(r.facts_kept for r in rows)}/"
+            f"{sum(r.facts_ref for r in rows)} |"
+        )
+    print("facts per prompt (counted only by a clear margin in the no-cache answer):")
+    for r in results:
+        for margin in r.margins:
+            note = "not in the answer" if margin is None else f"margin {margin:.2f} nats"
+            print(f"  {r.name:24s} {note}: kept {r.facts_kept}/{r.facts_ref}")
+
+
 def blend_extra(mode: str, policy: str, budget: float) -> dict[str, Any]:
     """The measured engine's extra config beyond url and segments."""
     extra: dict[str, Any] = {"pi_reuse": mode, "save": False}
@@ -320,10 +395,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="vLLM model folder ($NOPECACHE_VLLM_MODEL)")
     parser.add_argument("--pi-reuse", choices=["blend", "contiguous"], default="blend")
-    parser.add_argument("--policy", default="first_k", help="recompute policy (blend mode)")
+    parser.add_argument(
+        "--policy", default=DEFAULT_POLICY_NAME, help="recompute policy (blend mode)"
+    )
     parser.add_argument("--budget", type=float, default=0.15, help="recompute budget (blend)")
     parser.add_argument("--rounds", type=int, default=3, help="TTFT rounds per shape")
     parser.add_argument("--shapes", nargs="*", default=None, help="run only these shapes")
+    parser.add_argument(
+        "--set",
+        choices=("shapes", "report", "both"),
+        default="both",
+        help="the four shapes, bench/quality.py's report half (one shape per prompt), or both",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -342,13 +425,19 @@ def main() -> None:
     def ids(messages: Sequence[Message]) -> list[int]:
         return list(chat_prompt(tokenizer, [(role, role, text) for role, text in messages]).tokens)
 
-    shapes = [make() for make in SHAPES]
+    shapes = [make() for make in SHAPES] if args.set != "report" else []
     if args.shapes:
         shapes = [s for s in shapes if s.name in args.shapes]
+    report = report_shapes() if args.set != "shapes" else []
     max_answer = MAX_ANSWER
     if args.quick:
-        shortest = min(shapes, key=lambda s: len(ids(s.stored)) + len(ids(s.asking(""))))
-        shapes = [replace(shortest, questions=shortest.questions[:1])]
+
+        def size(s: Shape) -> int:
+            return len(ids(s.stored)) + len(ids(s.asking("")))
+
+        shapes = [replace(s, questions=s.questions[:1]) for s in shapes]
+        shapes = [min(shapes, key=size)] if shapes else []
+        report = [min(report, key=size)] if report else []
         args.rounds, max_answer = 1, QUICK_ANSWER
     work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-blend-"))
     # Cores: the storing engine on the first, the three measured engines (their TTFTs are
@@ -375,9 +464,20 @@ def main() -> None:
         procs = started.engines
         engines = Engines(procs["store"], procs["blend"], procs["prefix"], procs["ref"])
         print(f"engines ready (logs in {work})", flush=True)
-        results = []
-        for shape in shapes:
-            result = run_shape(shape, engines, ids, server.address, args.rounds, max_answer)
+        stored: set[tuple[int, ...]] = set()
+        results: list[ShapeResult] = []
+        reported: list[ShapeResult] = []
+        for shape in [*shapes, *report]:
+            result = run_shape(
+                shape,
+                engines,
+                ids,
+                server.address,
+                args.rounds,
+                max_answer,
+                tokenizer if shape.kind else None,
+                stored,
+            )
             print(
                 f"{shape.name}: {result.prompt_tokens} tokens, {args.pi_reuse} reused "
                 f"{result.blend_reused:.0f}, prefix reused {result.prefix_reused:.0f}, TTFT "
@@ -385,9 +485,15 @@ def main() -> None:
                 f"{result.claimed})",
                 flush=True,
             )
-            results.append(result)
-    print_table(results, args.pi_reuse)
-    fields = " ".join(f"{k}={v:.4f}" for k, v in summary(results).items())
+            (reported if shape.kind else results).append(result)
+    if results:
+        print_table(results, args.pi_reuse)
+    if reported:
+        print(f"\nreport half of bench/quality.py's set ({len(reported)} prompts):")
+        print_table(reported, args.pi_reuse)
+        print_kinds(reported)
+    values = {**summary(results), **report_summary(reported)}
+    fields = " ".join(f"{k}={values[k]:.4f}" for k in RESULT_KEYS)
     print(f"RESULT {fields}")
 
 

@@ -76,7 +76,7 @@ from _serve_trace import (  # noqa: E402
 from _traces import Segment  # noqa: E402
 from _vllm_procs import Started, bench_processes  # noqa: E402
 
-from tests.support.machine import core_for  # noqa: E402
+from tests.support.machine import core_for, require_memory  # noqa: E402
 from tests.support.redis_procs import free_ports  # noqa: E402
 from tests.support.server_procs import CacheServerProc  # noqa: E402
 
@@ -199,6 +199,7 @@ def _settle(engines: Sequence[ServeProc], before: list[dict[str, float]], sent: 
     the connector's included, then hold the replay's last step)."""
     deadline = time.monotonic() + _SETTLE_TIMEOUT_S
     for engine, start, n in zip(engines, before, sent, strict=True):
+        engine.check_alive()
         while (
             engine.metrics().get("vllm:request_success", 0.0)
             - start.get("vllm:request_success", 0.0)
@@ -220,6 +221,7 @@ def run_config(
     in_flight: int,
 ) -> ConfigResult:
     """Start two engines with ``transfer``, replay the plan, read counters, stop them."""
+    require_memory(ENGINES)  # other engines may have started since the last configuration
     engines = [
         ServeProc(f"{name}-{i}", model, core_for(i), work / f"{name}-{i}.log", transfer, env)
         for i in range(ENGINES)
@@ -243,6 +245,8 @@ def run_config(
             )
         before = _counters(engines)
         outcomes, wall = replay([e.url for e in engines], SERVED_NAME, plan, in_flight)
+        for engine in engines:
+            engine.check_alive()  # a dead engine fails its requests: say why
         sent = [
             sum(1 for o in outcomes if o.engine == i and o.error is None) for i in range(ENGINES)
         ]

@@ -189,7 +189,12 @@ class ZeroCopy:
     async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(sock)
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:  # out of descriptors: the next call tries again
+                log.warning("arena socket: accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
             task = loop.create_task(self._handoff(conn))
             self._handoffs.add(task)
             task.add_done_callback(self._handoffs.discard)

@@ -46,6 +46,7 @@ from nopecache.client.placement import (
 from nopecache.client.plan import Hit, HitKind, ReusePlan
 from nopecache.client.sharding import Rendezvous
 from nopecache.client.transport import BufferPool, ServerConnection
+from nopecache.client.zero_copy import lapsed
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import BlockError
 
@@ -260,7 +261,12 @@ class Download:
         """Worker thread: place one blob, then hand its buffer back for reuse (the block's
         tensors died with ``placer.place``'s frame; nothing reads the buffer any more)."""
         try:
-            return self.placer.place(blob, hits, prompt, into, out, cancelled)
+            if lapsed(blob):
+                return False
+            placed = self.placer.place(blob, hits, prompt, into, out, cancelled)
+            # A view of the server's pool whose lease ended while it was verified and
+            # placed may have been rewritten meanwhile: failed (the engine recomputes).
+            return placed and not lapsed(blob)
         finally:
             self.pool.give(blob)
 

@@ -26,6 +26,7 @@ at most ``_STORE_CONCURRENCY`` queued stores run at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -42,7 +43,7 @@ from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.keys import KeyedChunk
 from nopecache.client.metrics import ClientMetrics
 from nopecache.client.sharding import Rendezvous
-from nopecache.client.transport import ServerConnection, StoreStatus
+from nopecache.client.transport import ServerConnection, StoreResult, StoreStatus
 from nopecache.kernels import RopeSpec
 from nopecache.kernels.api import Positions, rotate
 from nopecache.proto.block import StoredForm
@@ -52,10 +53,12 @@ __all__ = ["KForm", "PreparedStore", "StoreBudget", "StorePipeline", "StoreRepor
 
 log = logging.getLogger("nopecache.client.cache_client")
 
-# Blocks encoded and sent per Put batch: a store holds at most two batches at once (one
-# travelling, the next being encoded).
+# Block bytes per Put batch (encoded blocks are views of K and V: a batch in flight holds
+# its heads, and the server holds it in its in-flight budget until stored).
 _STORE_BATCH_BYTES = 64 * 1024**2
 _STORE_CONCURRENCY = 2
+# Put batches of one store travelling at once to one server.
+_PUTS_IN_FLIGHT = 2
 
 KForm = Literal["nope", "rope"]
 """What the K given to ``store`` is: before RoPE ("nope") or after it ("rope")."""
@@ -284,10 +287,36 @@ class StorePipeline:
             batches[-1].append(c)
             size += len(c.span) * per_block
         stored = present = failed = nbytes = 0
-        # The worker encodes batch n + 1 while batch n travels (at most two batches held).
+        # The worker encodes batch n + 1 while batch n travels; up to _PUTS_IN_FLIGHT
+        # batches travel at once (each on its own bulk socket), so the server stores one
+        # while the next arrives. Encoded blocks are views of K/V: nothing held but heads.
         encoding = asyncio.ensure_future(
             self._on_worker(self._encode, batches[0], job, forms, prefix_keys)
         )
+        travelling: collections.deque[
+            asyncio.Future[tuple[list[StoreResult], list[tuple[bytes, EncodedBlock]]]]
+        ] = collections.deque()
+
+        async def put(
+            blobs: list[tuple[bytes, EncodedBlock]],
+        ) -> tuple[list[StoreResult], list[tuple[bytes, EncodedBlock]]]:
+            return await connection.put(blobs), blobs
+
+        def settle(results: list[StoreResult], blobs: list[tuple[bytes, EncodedBlock]]) -> None:
+            nonlocal stored, present, failed, nbytes
+            for r, (_, blob) in zip(results, blobs, strict=True):
+                if r.status is StoreStatus.STORED:
+                    stored += 1
+                    nbytes += blob.nbytes
+                elif r.status is StoreStatus.ALREADY_PRESENT:
+                    present += 1
+                else:
+                    failed += 1
+                    if r.status is StoreStatus.REJECTED:
+                        log.error(
+                            "nopecache: %s rejected block %s: %s", server, r.key.hex(), r.reason
+                        )
+
         try:
             for n in range(len(batches)):
                 blobs = await encoding
@@ -295,24 +324,15 @@ class StorePipeline:
                     encoding = asyncio.ensure_future(
                         self._on_worker(self._encode, batches[n + 1], job, forms, prefix_keys)
                     )
-                results = await connection.put(blobs)
-                for r, (_, blob) in zip(results, blobs, strict=True):
-                    if r.status is StoreStatus.STORED:
-                        stored += 1
-                        nbytes += blob.nbytes
-                    elif r.status is StoreStatus.ALREADY_PRESENT:
-                        present += 1
-                    else:
-                        failed += 1
-                        if r.status is StoreStatus.REJECTED:
-                            log.error(
-                                "nopecache: %s rejected block %s: %s",
-                                server,
-                                r.key.hex(),
-                                r.reason,
-                            )
+                if len(travelling) >= _PUTS_IN_FLIGHT:
+                    settle(*await travelling.popleft())
+                travelling.append(asyncio.ensure_future(put(blobs)))
+            while travelling:
+                settle(*await travelling.popleft())
         finally:
-            if not encoding.done():  # cancelled mid-store: the next batch is not needed
+            for put_task in travelling:  # cancelled mid-store: the rest is not needed
+                put_task.cancel()
+            if not encoding.done():
                 encoding.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await encoding

@@ -64,7 +64,7 @@ from nopecache.proto.arena_layout import (
 )
 from nopecache.proto.contract import KEY_BYTES, method_path
 
-__all__ = ["Arena", "ZeroCopySource", "receive_arena_fd"]
+__all__ = ["Arena", "ZeroCopySource", "lapsed", "receive_arena_fd"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,20 @@ def receive_arena_fd(socket_name: str, nonce: bytes, timeout: float = _HANDOFF_T
         raise ArenaRefusedError(
             rest.decode(errors="replace") or "the server closed the socket without an answer"
         )
+
+
+class _LeasedBytes(np.ndarray):
+    """The bytes of a leased block in the mapping, with the time (``time.monotonic``) until
+    which they may be read."""
+
+    lease_deadline: float = math.inf
+
+
+def lapsed(blob: memoryview) -> bool:
+    """Whether ``blob`` is a leased view whose lease may have ended: what was placed from
+    it must not be trusted (placement marks the hit failed; the engine recomputes it)."""
+    obj = blob.obj
+    return isinstance(obj, _LeasedBytes) and time.monotonic() >= obj.lease_deadline
 
 
 def _cuda_present() -> bool:
@@ -183,6 +197,7 @@ class ZeroCopySource:
         self._pending: list[bytes] = []
         self._held = 0  # leases granted to us and not released yet
         self._freed = asyncio.Event()
+        self._releases = 0  # ReleaseLeases calls answered (or failed) so far
         self._space_wait_s = space_wait_s
         self._flushing: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -272,30 +287,37 @@ class ZeroCopySource:
         arena = await self._ready() if n else None
         i = 0
         while arena is not None and arena is self.arena and i < n:
+            since = self._releases
             reply = await self._lease(arena, keys[i * KEY_BYTES :], deadline)
             if reply is None:
                 break
             leased, runs, lease_deadline = reply
             tried = len(leased)
-            at = 0
-            while at < tried:
-                if leased[at] and time.monotonic() < lease_deadline:
-                    view = self._view(arena, leased[at], runs[at])
-                    self._count(True, view.nbytes)
-                    yield i + at, view
-                    del view  # the consumer's reference is the one that holds the lease
-                    at += 1
-                    continue
-                if leased[at]:  # too close to its expiry to be placed from: released
-                    self._queue(leased[at])
-                end = at + 1  # the next keys the leases do not serve
-                while end < tried and not leased[end]:
-                    end += 1
-                async for item in self._through_fallback(keys, i + at, i + end, deadline):
-                    yield item
-                at = end
+            at = 0  # leases [at, tried) are not handed out yet
+            try:
+                while at < tried:
+                    if leased[at] and time.monotonic() < lease_deadline:
+                        view = self._view(arena, leased[at], runs[at], lease_deadline)
+                        at += 1  # the view holds it now
+                        self._count(True, view.nbytes)
+                        yield i + at - 1, view
+                        del view  # the consumer's reference is the one that holds the lease
+                        continue
+                    if leased[at]:  # too close to its expiry to be placed from: released
+                        self._queue(leased[at])
+                    end = at + 1  # the next keys the leases do not serve
+                    while end < tried and not leased[end]:
+                        end += 1
+                    start, at = at, end
+                    async for item in self._through_fallback(keys, i + start, i + end, deadline):
+                        yield item
+            finally:
+                # A stream closed early: the leases it did not hand out end now.
+                for lid in leased[at:]:
+                    if lid:
+                        self._queue(lid)
             i += tried
-            if i < n and not await self._released_some(deadline):
+            if i < n and not await self._released_some(since, deadline):
                 break
         if i < n:
             async for item in self._through_fallback(keys, i, n, deadline):
@@ -360,8 +382,11 @@ class ZeroCopySource:
             leased.append(next(ids) if code else b"")
         return leased, runs
 
-    def _view(self, arena: Arena, lid: bytes, runs: list[tuple[int, int]]) -> memoryview:
-        """A read-only view of a leased block, holding its lease while it lives."""
+    def _view(
+        self, arena: Arena, lid: bytes, runs: list[tuple[int, int]], deadline: float
+    ) -> memoryview:
+        """A read-only view of a leased block, holding its lease while it lives; it can be
+        read from until ``deadline`` (``lapsed``)."""
         if len(runs) > 1:  # pages in several places: gathered (one copy more), released
             out = self._conn.pool.take(sum(length for _, length in runs))
             at = 0
@@ -371,7 +396,8 @@ class ZeroCopySource:
             self._queue(lid)
             return out
         offset, length = runs[0]
-        arr = arena.array[offset : offset + length]
+        arr = arena.array[offset : offset + length].view(_LeasedBytes)
+        arr.lease_deadline = deadline
         weakref.finalize(arr, self._queue, lid)
         return arr.data
 
@@ -389,24 +415,23 @@ class ZeroCopySource:
         finally:
             await it.aclose()  # type: ignore[attr-defined]  # an async generator
 
-    async def _released_some(self, deadline: float) -> bool:
-        """Wait (up to ``space_wait_s``) until a lease of ours is released: whether one
-        was (False at once when we hold none: others hold the share)."""
+    async def _released_some(self, since: int, deadline: float) -> bool:
+        """Whether a lease of ours was released after ``since`` (a count of releases),
+        waiting up to ``space_wait_s`` for one (False at once when we hold none: others
+        hold the share)."""
         limit = min(deadline, time.monotonic() + self._space_wait_s)
-        while True:
+        while self._releases == since:
             with self._lock:
                 held = self._held
-            if not held:
+            remaining = limit - time.monotonic()
+            if not held or remaining <= 0:
                 return False
             self._freed.clear()
-            remaining = limit - time.monotonic()
-            if remaining <= 0:
-                return False
-            try:
+            if self._releases != since:
+                break
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._freed.wait(), remaining)
-                return True
-            except TimeoutError:
-                return False
+        return True
 
     # -- releases -----------------------------------------------------------------------
     def _queue(self, lid: bytes) -> None:
@@ -442,6 +467,7 @@ class ZeroCopySource:
             with self._lock:
                 self._held -= len(ids)
             self.released += reply.released
+            self._releases += 1
             self._freed.set()
 
     async def settle(self) -> None:

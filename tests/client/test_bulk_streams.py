@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
+from nopecache.client import storing
 from nopecache.client.bulk import BulkSource
 from nopecache.client.config import BULK_STREAMS_MAX
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.transport import ServerConnection
 from tests.client.test_transport import blob_of, config
+from tests.support.client_harness import PREFIX_BLOCK, client, kv, prompt
+from tests.support.client_harness import config as harness_config
 from tests.support.server_harness import key_of
 from tests.support.server_procs import CacheServerProc, ServerFactory
 
@@ -82,3 +86,25 @@ def test_a_server_killed_mid_get_on_several_streams_turns_the_rest_into_misses(
 def test_bulk_streams_out_of_range_is_refused_naming_the_field(streams: object) -> None:
     with pytest.raises(InvalidArgumentError, match="bulk_streams"):
         config("127.0.0.1:1", bulk_streams=streams)
+
+
+def test_a_store_of_many_batches_keeps_two_in_flight_and_stores_every_block(
+    cache_server: CacheServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block its own Put batch (the batch size shrunk to one byte): the batches
+    travel two at a time over the bulk stream, and every block is stored, counted once
+    and fetched back exactly."""
+    monkeypatch.setattr(storing, "_STORE_BATCH_BYTES", 1)
+    tokens = prompt(96, seed=41)
+    k, v = kv(96, seed=41)
+    with client(harness_config([cache_server], "batches", shm="off")) as c:
+        report = c.store(tokens, (k, v), position_independent=False)
+        plan = c.lookup(tokens, allow_position_independent=False)
+        result = c.fetch(plan, tokens)
+        source = c.core.connection(cache_server.address).data_blocks
+    blocks = 96 // PREFIX_BLOCK
+    assert (report.stored, report.already_present, report.failed) == (blocks, 0, 0)
+    assert isinstance(source, BulkSource) and source.bulk_puts == blocks
+    assert plan.prefix_end == 96 and result.failed == ()
+    assert result.k is not None and result.v is not None
+    assert torch.equal(result.v, v)

@@ -15,6 +15,7 @@ import secrets
 import signal
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 
@@ -31,7 +32,7 @@ from nopecache.client.cost import CostConfig
 from nopecache.client.errors import ArenaRefusedError
 from nopecache.client.shm import ShmFastPath
 from nopecache.client.transport import ServerConnection
-from nopecache.client.zero_copy import receive_arena_fd
+from nopecache.client.zero_copy import lapsed, receive_arena_fd
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import validate
@@ -135,24 +136,37 @@ async def test_a_nonce_is_for_one_use_by_the_process_it_was_issued_to() -> None:
         for nonce in (offer.nonce, secrets.token_bytes(16)):
             with pytest.raises(ArenaRefusedError, match="unknown, already used or expired"):
                 await asyncio.to_thread(receive_arena_fd, offer.socket, nonce)
-        # A nonce presented by another process than the one it was issued to.
-        offer = await stub.OpenArena(pb.OpenArenaRequest(pid=os.getpid()))
+        # A nonce presented by another process than the one it was issued to: a child
+        # that speaks the handshake with the socket module alone; the nonce is issued
+        # once it is ready, so its 10 s are not spent starting Python on a busy machine.
         code = textwrap.dedent(
-            f"""
-            from nopecache.client.zero_copy import receive_arena_fd
-            from nopecache.client.errors import ArenaRefusedError
-            try:
-                receive_arena_fd({offer.socket!r}, {offer.nonce!r})
-                print("GOT A DESCRIPTOR")
-            except ArenaRefusedError as e:
-                print("refused:", e)
+            """
+            import socket, sys
+            print("ready", flush=True)
+            name, nonce = sys.stdin.readline().split()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect("\\0" + name)
+                s.sendall(bytes.fromhex(nonce))
+                msg, fds, _, _ = socket.recv_fds(s, 4097, 1)
+            print("GOT A DESCRIPTOR" if fds else msg[1:].decode(), flush=True)
             """
         )
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, env=_env()
+            sys.executable,
+            "-c",
+            code,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
         )
+        assert proc.stdin is not None and proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), 120) == b"ready\n"
+        offer = await stub.OpenArena(pb.OpenArenaRequest(pid=os.getpid()))
+        proc.stdin.write(f"{offer.socket} {offer.nonce.hex()}\n".encode())
+        await proc.stdin.drain()
         out, _ = await proc.communicate()
-        assert f"issued to pid {os.getpid()}, presented by pid {proc.pid}" in out.decode()
+        assert out.decode().strip() == (
+            f"nonce: issued to pid {os.getpid()}, presented by pid {proc.pid}"
+        )
         # A pid of 0 is a malformed request.
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.OpenArena(pb.OpenArenaRequest(pid=0))
@@ -298,6 +312,54 @@ async def test_leased_blocks_keep_their_bytes_through_a_put_storm(zc: Harness) -
     await wait_until(lambda: zc.running.service.zero_copy.leases == 0, timeout_s=30)
     await fast.close()
     await conn.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stream_closed_early_releases_the_leases_it_did_not_hand_out(
+    zc: Harness,
+) -> None:
+    stored = [block(i) for i in range(10)]
+    await put(zc.stub, stored, 60000)
+    fast = ShmFastPath("auto")
+    conn = connection(zc.running.address, fast)
+    zero = zc.running.service.zero_copy
+    stream = conn.get(b"".join(k for k, _ in stored))
+    _, first = await anext(stream)
+    assert first is not None and bytes(first) == stored[0][1]
+    assert zero.leases == 10
+    await stream.aclose()  # type: ignore[attr-defined]  # an async generator
+    # The nine never handed out are released now, not at their 30 s TTL (the wait is
+    # generous for a loaded machine, and still well under the TTL).
+    await wait_until(lambda: zero.leases == 1, timeout_s=20)
+    del first
+    await wait_until(lambda: zero.leases == 0, timeout_s=20)
+    await fast.close()
+    await conn.close()
+
+
+@pytest.mark.asyncio
+async def test_a_view_lapses_before_its_lease_ends_on_the_server() -> None:
+    """A view is trusted only until its lease's end, counted from before the LeaseGet was
+    sent, minus a margin (2 s of a 20 s TTL): placement treats a lapsed view as failed."""
+    async with serving(replace(ZC, zero_copy_lease_ttl_s=20.0)) as h:
+        await put(h.stub, [block(1)], 60000)
+        fast = ShmFastPath("auto")
+        conn = connection(h.running.address, fast)
+        before = time.monotonic()
+        held = await blobs(conn, [key_of(1)])
+        after = time.monotonic()
+        view = held[0]
+        assert view is not None and fast.stats().leased_blocks == 1
+        deadline = view.obj.lease_deadline  # type: ignore[attr-defined]
+        assert before + 18.0 <= deadline <= after + 18.0
+        assert not lapsed(view) and not lapsed(memoryview(block(1)[1]))
+        view.obj.lease_deadline = time.monotonic()  # type: ignore[attr-defined]
+        assert lapsed(view)
+        held.clear()
+        view = None
+        await wait_until(lambda: h.running.service.zero_copy.leases == 0, timeout_s=30)
+        await fast.close()
+        await conn.close()
 
 
 # -- end to end: the same placement as gRPC ---------------------------------------------------
