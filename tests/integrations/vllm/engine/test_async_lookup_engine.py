@@ -21,7 +21,7 @@ from tests.support.engine_proc import EngineFactory, common_prefix
 from tests.support.server_procs import wait_stored
 from tests.support.slow_lookups import SlowServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # hang guards: engine starts
 
 SYSTEM = PIP_FACTS * 3
 

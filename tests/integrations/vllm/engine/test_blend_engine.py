@@ -40,7 +40,7 @@ from tests.support.kernel_probe import KernelProbe
 from tests.support.redis_procs import free_ports
 from tests.support.server_procs import CacheServerProc, wait_stored
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # hang guards: engine starts
 
 LAYERS = 30
 SYSTEM = PIP_FACTS * 2

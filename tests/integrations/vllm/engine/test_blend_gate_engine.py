@@ -34,7 +34,7 @@ from tests.support.engine_proc import EngineFactory
 from tests.support.redis_procs import free_ports
 from tests.support.server_procs import CacheServerProc, wait_stored
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # hang guards: engine starts
 
 SYSTEM = PIP_FACTS * 2
 REPORT = " ".join(

@@ -36,7 +36,7 @@ from tests.support.kernel_probe import KernelProbe
 from tests.support.redis_procs import RedisProc, free_ports
 from tests.support.server_procs import CacheServerProc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # hang guards: engine starts
 
 SYSTEM = PIP_FACTS * 3
 QUESTIONS = [
