@@ -55,6 +55,7 @@ from nopecache.cache_server.tiers.cpu import CpuTier, TierLease
 from nopecache.proto.arena_layout import (
     HANDOFF_ERROR,
     HANDOFF_OK,
+    HANDOFF_TIMEOUT_S,
     LEASE_ID_BYTES,
     MAX_ERROR_BYTES,
     NONCE_BYTES,
@@ -67,8 +68,6 @@ log = logging.getLogger(__name__)
 NONCE_TTL_S = 10.0
 # Nonces not redeemed yet, at most: a client asks once per connection.
 _MAX_NONCES = 1024
-# A connection to the socket that does not send its nonce this fast is cut.
-_HANDOFF_TIMEOUT_S = 5.0
 _PEERCRED = struct.Struct("3i")
 
 
@@ -203,7 +202,7 @@ class ZeroCopy:
         loop = asyncio.get_running_loop()
         with conn:
             try:
-                nonce = await asyncio.wait_for(_recv_exactly(conn, NONCE_BYTES), _HANDOFF_TIMEOUT_S)
+                nonce = await asyncio.wait_for(_recv_exactly(conn, NONCE_BYTES), HANDOFF_TIMEOUT_S)
                 pid, _, _ = _PEERCRED.unpack(
                     conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
                 )

@@ -58,6 +58,7 @@ from nopecache.client.transport import BlockSource, ServerConnection
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.arena_layout import (
     HANDOFF_OK,
+    HANDOFF_TIMEOUT_S,
     LEASE_ID_BYTES,
     MAX_ERROR_BYTES,
     unpack_runs,
@@ -72,7 +73,6 @@ log = logging.getLogger(__name__)
 # its TTL, if shorter): verifying and placing a block takes milliseconds.
 _MARGIN_S = 2.0
 _REOPEN_INTERVAL_S = 10.0
-_HANDOFF_TIMEOUT_S = 5.0
 # Failures that are about the server's availability: raised to the connection.
 _TRANSIENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -81,7 +81,7 @@ _TRANSIENT = frozenset(
 _CUDA_REGISTER_FLAGS = 0x01 | 0x08
 
 
-def receive_arena_fd(socket_name: str, nonce: bytes, timeout: float = _HANDOFF_TIMEOUT_S) -> int:
+def receive_arena_fd(socket_name: str, nonce: bytes, timeout: float = HANDOFF_TIMEOUT_S) -> int:
     """Redeem ``nonce`` at the server's abstract Unix socket: the pool's read-only
     descriptor. Raises ArenaRefusedError with the server's reason, OSError when the socket
     cannot be reached."""

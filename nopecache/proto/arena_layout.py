@@ -17,6 +17,7 @@ import numpy as np
 __all__ = [
     "HANDOFF_ERROR",
     "HANDOFF_OK",
+    "HANDOFF_TIMEOUT_S",
     "LEASE_ID_BYTES",
     "MAX_ERROR_BYTES",
     "NONCE_BYTES",
@@ -26,6 +27,9 @@ __all__ = [
 ]
 
 NONCE_BYTES = 16
+# Each side of the handoff gives the other this long (the client to answer with the
+# descriptor, a connection to send its nonce) before it gives up or cuts the socket.
+HANDOFF_TIMEOUT_S = 5.0
 LEASE_ID_BYTES = 16
 HANDOFF_OK = b"\x00"
 HANDOFF_ERROR = b"\x01"
