@@ -7,13 +7,19 @@ a similar size reuses the memory; a consumer that keeps the block simply does no
 Buffers are pooled by size rounded up to 1 MiB, up to ``max_bytes`` in all. ``warm``
 allocates and touches buffers ahead of the first fetch, so that fetch does not pay the
 page faults (the client calls it at construction).
+
+A buffer also carries the xxh3-64 of the block payload received into it when the bulk
+stream hashed the bytes as they arrived (``note_payload_xxh3``, read back with
+``payload_xxh3``): verification then compares that digest instead of reading the payload
+a second time. It is forgotten whenever the buffer is taken again or given back, so a
+digest never outlives the bytes it was taken from.
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "note_payload_xxh3", "payload_xxh3"]
 
 # Pool size classes: blocks within 1 MiB of each other share buffers.
 _POOL_GRAIN = 1024 * 1024
@@ -21,7 +27,34 @@ _PAGE = 4096
 
 
 class _Buffer(bytearray):
-    """A reassembly buffer a :class:`BufferPool` handed out (the type marks it as poolable)."""
+    """A reassembly buffer a :class:`BufferPool` handed out (the type marks it as poolable).
+
+    ``digest``: (bytes received, xxh3-64 of their block payload) for the view ``take``
+    handed out (which starts at the buffer's first byte), or None."""
+
+    __slots__ = ("digest",)
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.digest: tuple[int, int] | None = None
+
+
+def note_payload_xxh3(view: memoryview, digest: int) -> None:
+    """Record that ``view`` (from ``BufferPool.take``, now filled) holds a block whose
+    stored payload hashed to ``digest`` as it arrived; views of anything else are ignored."""
+    buf = view.obj
+    if type(buf) is _Buffer:
+        buf.digest = (view.nbytes, digest)
+
+
+def payload_xxh3(view: memoryview) -> int | None:
+    """The digest ``note_payload_xxh3`` recorded for ``view``, or None (not a pooled view,
+    none recorded, or a view of another length than the one received)."""
+    buf = view.obj
+    if type(buf) is not _Buffer or buf.digest is None:
+        return None
+    nbytes, digest = buf.digest
+    return digest if nbytes == view.nbytes else None
 
 
 class BufferPool:
@@ -52,6 +85,7 @@ class BufferPool:
                 self._pooled -= cls
         if buf is None:
             buf = _Buffer(cls)
+        buf.digest = None
         return memoryview(buf)[:size]
 
     def give(self, view: memoryview) -> None:
@@ -61,6 +95,7 @@ class BufferPool:
         if type(buf) is not _Buffer:
             return
         cls = len(buf)
+        buf.digest = None
         with self._lock:
             if self._pooled + cls <= self.max_bytes:
                 self._free.setdefault(cls, []).append(buf)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nopecache.client.buffers import payload_xxh3
 from nopecache.client.chunking import ChunkSpan, TokenArray
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
@@ -167,9 +168,12 @@ class BlockPlacer:
         if cancelled.is_set():
             return False
         fp = self.prefix_fingerprint if hits[0].kind is HitKind.PREFIX else self.pi_fingerprint
+        # The payload's digest when the bulk stream hashed it as it arrived (else None:
+        # verification reads it); one for every hit of the blob.
+        digest = payload_xxh3(blob)
         try:
             for hit in hits:
-                block = decode_for_hit(blob, hit, prompt, fp, self.v_head_dim)
+                block = decode_for_hit(blob, hit, prompt, fp, self.v_head_dim, digest)
                 if into is not None:
                     place_paged(block, hit, into, self.rope, self.staging)
                 else:

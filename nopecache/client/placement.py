@@ -320,8 +320,13 @@ def decode_for_hit(
     prompt: TokenArray,
     fingerprint: ModelFingerprint,
     v_head_dim: int,
+    payload_xxh3: int | None = None,
 ) -> DecodedBlock:
     """Verify a fetched blob for ``hit`` of ``prompt`` and decode it (zero-copy views).
+
+    ``payload_xxh3``: the payload's digest taken as the blob was received (the bulk
+    stream's, ``buffers.payload_xxh3``): compared with the block's checksum instead of
+    hashing the payload again.
 
     The block must be intact (both checksums), carry the hit's key and the model's
     fingerprint, and hold exactly the prompt tokens its key was computed from: the hit
@@ -339,6 +344,7 @@ def decode_for_hit(
         expect_key=hit.key.value,
         expect_fingerprint=fingerprint.to_bytes(),
         expect_tokens=prompt[first : dst.end].tolist(),
+        payload_xxh3=payload_xxh3,
     )
     header = block.header
     want = (fingerprint.num_layers, src.end, fingerprint.num_kv_heads, fingerprint.head_dim)

@@ -373,6 +373,20 @@ def payload_offset(header_len: int) -> int:
     return -(-end // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
 
 
+def payload_start(prefix: BytesLike, nbytes: int) -> int | None:
+    """Where the stored payload of an ``nbytes`` blob starting with ``prefix`` (its first
+    ``PREFIX.size`` bytes) begins; None when those bytes are not a block prefix that fits
+    (``parse`` then says what is wrong). A receiver uses it to hash the payload as it
+    arrives (``decode_block(payload_xxh3=...)``)."""
+    if len(prefix) < PREFIX.size:
+        return None
+    magic, header_len, _ = PREFIX.unpack_from(prefix, 0)
+    if magic != MAGIC or header_len > MAX_HEADER_BYTES:
+        return None
+    start = payload_offset(header_len)
+    return start if start <= nbytes else None
+
+
 def packed_size(header: BlockHeader, payload_len: int) -> int:
     """Size of the blob ``pack(header, payload)`` returns for a ``payload_len``-byte payload."""
     return payload_offset(len(_encode_header(header, payload_len))) + payload_len
@@ -454,9 +468,18 @@ def parse(blob: BytesLike) -> tuple[BlockHeader, memoryview]:
     return header, mv[start:]
 
 
-def _checked_payload(header: BlockHeader, stored: memoryview) -> memoryview | bytes:
-    """The uncompressed payload of a parsed block, once its checksum matches."""
+def _checked_payload(
+    header: BlockHeader, stored: memoryview, stored_xxh3: int | None = None
+) -> memoryview | bytes:
+    """The uncompressed payload of a parsed block, once its checksum matches.
+
+    ``stored_xxh3``: the xxh3-64 of ``stored`` taken by the caller as the bytes arrived;
+    an uncompressed payload is then not read again (the digests are compared)."""
     payload: memoryview | bytes = stored
+    if stored_xxh3 is not None and header.compression == "none":
+        if stored_xxh3 != header.checksum:
+            raise BlockChecksumError("checksum: payload bytes do not match their xxh3-64")
+        return payload
     if header.compression == "lz4":
         try:
             payload = lz4.block.decompress(stored, uncompressed_size=header.payload_nbytes)
@@ -693,8 +716,14 @@ def decode_block(
     expect_key: bytes | None = None,
     expect_fingerprint: bytes | None = None,
     expect_tokens: Sequence[int] | None = None,
+    payload_xxh3: int | None = None,
 ) -> DecodedBlock:
     """Verify a blob against what the caller expects and return K/V tensors viewing it.
+
+    ``payload_xxh3``: the xxh3-64 of the blob's stored payload (the bytes from
+    ``payload_start``), taken where the blob was received as its bytes arrived and
+    before anything else could write them: an uncompressed payload's checksum is then
+    checked against it without a second pass over the payload (None: hashed here).
 
     Raises BlockMismatchError when an intact block is not the expected one (a key
     collision or a mix-up), and the other BlockError types when it is corrupt: a block
@@ -722,7 +751,7 @@ def decode_block(
         want = tuple(expect_tokens)
         if header.token_ids != want:
             raise BlockMismatchError(f"token_ids: {_first_difference(header.token_ids, want)}")
-    payload = _checked_payload(header, stored)
+    payload = _checked_payload(header, stored, payload_xxh3)
     dtype = getattr(torch, header.dtype)
     itemsize = DTYPE_ITEMSIZE[header.dtype]
     k_count = header.k_nbytes // itemsize
