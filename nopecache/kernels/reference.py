@@ -282,9 +282,10 @@ class _SlotWriter:
       fewer and longer rows to move;
     * anything else: one row per token.
 
-    On the CPU rows move through numpy's fancy assignment on a raw-bytes view (one
-    ``memcpy`` per row, bit-exact); torch's ``index_copy_`` goes element by element and
-    takes several times as long. Other devices use ``index_copy_``.
+    On the CPU rows move through numpy's fancy assignment on a view of their bytes as
+    integer words (bit-exact, a vectorised copy per row, the GIL released); torch's
+    ``index_copy_`` goes element by element and takes several times as long. Other
+    devices use ``index_copy_``.
 
     A cache that is a strided view (not contiguous: an engine's own page layout, such as
     vLLM's CPU pages with K transposed) is written through the view itself, one indexed
@@ -344,10 +345,15 @@ def _assign_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, on_c
     if not on_cpu:
         dst.index_copy_(0, index, src)
         return
+    # Rows as integer words, the widest that divides a row (8 bytes for every real
+    # layout): numpy moves each row with the GIL released. A row-sized void dtype moves
+    # the same bytes as fast but holds the GIL for the whole assignment (milliseconds
+    # for a block), stalling every other Python thread of the engine meanwhile, among
+    # them the bulk stream's receiver with the next block.
     row_bytes = dst.shape[1] * dst.element_size()
-    as_rows = np.dtype((np.void, row_bytes))
-    dst_np = dst.view(torch.uint8).numpy().view(as_rows).reshape(dst.shape[0])
-    src_np = src.contiguous().view(torch.uint8).numpy().view(as_rows).reshape(src.shape[0])
+    word = np.dtype(next(f"<u{w}" for w in (8, 4, 2, 1) if row_bytes % w == 0))
+    dst_np = dst.view(torch.uint8).numpy().view(word)
+    src_np = src.contiguous().view(torch.uint8).numpy().view(word)
     dst_np[index.numpy()] = src_np
 
 
