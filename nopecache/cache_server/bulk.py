@@ -44,6 +44,8 @@ import socket
 import time
 from collections.abc import Callable
 
+import xxhash
+
 from nopecache.cache_server.bulk_limits import (
     BufferPool,
     BulkAdmission,
@@ -59,11 +61,13 @@ from nopecache.cache_server.tenants import Tenant
 from nopecache.cache_server.transfer_get import GetRules, SendBuffer
 from nopecache.cache_server.transfer_put import BULK_WORDING, PutRules
 from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.block import PREFIX, payload_start
 from nopecache.proto.bulk import (
     BLOCK,
     COUNT,
     ENTRY,
     ERROR_CODE,
+    HASH_PIECE,
     MAGIC,
     PUT_FLAG,
     PUT_REPLY_CODE,
@@ -274,9 +278,8 @@ class BulkServer:
                     position = await intake.open_block(key, size)
                     blob = self.receive_buffers.take(size)
                     blobs.append(blob)
-                    # An open block: its room may be reclaimed while the sender stalls.
-                    await self._recv_into(loop, conn, lease, blob, reclaimable=True)
-                    checks.append(loop.create_task(intake.complete(key, blob, position)))
+                    digest = await self._recv_block(loop, conn, lease, blob)
+                    checks.append(loop.create_task(intake.complete(key, blob, position, digest)))
                 await asyncio.gather(*checks)
                 return put_reply(await intake.finish())
         finally:
@@ -315,6 +318,29 @@ class BulkServer:
         buf = bytearray(n)
         await BulkServer._recv_into(loop, conn, lease, memoryview(buf))
         return bytes(buf)
+
+    @staticmethod
+    async def _recv_block(
+        loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, blob: memoryview
+    ) -> int | None:
+        """Fill ``blob`` with a PUT block (an open block: its room may be reclaimed while
+        the sender stalls); the xxh3-64 of its stored payload, hashed ``HASH_PIECE`` bytes
+        at a time as they land, still in the CPU cache (None when the bytes do not start
+        like a block: verification says what is wrong)."""
+        n = blob.nbytes
+        head = min(n, PREFIX.size)
+        await BulkServer._recv_into(loop, conn, lease, blob[:head], reclaimable=True)
+        start = payload_start(blob[:head], n)
+        if start is None:
+            await BulkServer._recv_into(loop, conn, lease, blob[head:], reclaimable=True)
+            return None
+        await BulkServer._recv_into(loop, conn, lease, blob[head:start], reclaimable=True)
+        digest = xxhash.xxh3_64()
+        for at in range(start, n, HASH_PIECE):
+            piece = blob[at : min(n, at + HASH_PIECE)]
+            await BulkServer._recv_into(loop, conn, lease, piece, reclaimable=True)
+            digest.update(piece)
+        return digest.intdigest()
 
     @staticmethod
     async def _recv_into(

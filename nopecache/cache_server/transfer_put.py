@@ -289,15 +289,23 @@ class PutIntake:
             )
 
     # -- whole blocks ------------------------------------------------------------------
-    async def complete(self, key: bytes, blob: memoryview, position: int | None = None) -> None:
+    async def complete(
+        self,
+        key: bytes,
+        blob: memoryview,
+        position: int | None = None,
+        payload_xxh3: int | None = None,
+    ) -> None:
         """Verify a complete block: stage it, or refuse it (its result). ``position``: the
         block's (``open_block``'s answer), by default the last opened; blocks of one
         request may complete concurrently (a codec verifying one while receiving the
-        next): they are staged in position order whatever order they finish in."""
+        next): they are staged in position order whatever order they finish in.
+        ``payload_xxh3``: its stored payload's digest, taken by the codec as the bytes
+        arrived (BlockVerifier.check)."""
         rules = self._rules
         if position is None:
             position = len(self.results) - 1
-        problem = await rules.verifier.check_async(key, blob)
+        problem = await rules.verifier.check_async(key, blob, payload_xxh3=payload_xxh3)
         if problem is None:
             bisect.insort(self.staged, (position, key, blob), key=_position)
             return

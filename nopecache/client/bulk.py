@@ -57,6 +57,7 @@ from nopecache.proto.bulk import (
     BLOCK,
     ENTRY,
     ERROR_CODE,
+    HASH_PIECE,
     MAGIC,
     PUT_REPLY_CODE,
     check_entry,
@@ -81,11 +82,6 @@ RUN_BYTES = 4 * 1024 * 1024
 _MAX_REPLY_BYTES = 16 * 1024 * 1024
 # Buffers per sendmsg call (POSIX guarantees at least 16; Linux takes 1024).
 _IOV_MAX = 512
-# A block's payload is received and hashed this many bytes at a time: each piece is
-# hashed right after it lands, while it is still in the CPU cache, instead of in a second
-# pass over the whole block from memory at verification (xxhash holds the GIL: a piece
-# this size keeps it for tens of microseconds).
-HASH_PIECE = 512 * 1024
 
 
 class BulkSource:

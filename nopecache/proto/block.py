@@ -509,16 +509,19 @@ def check_payload_limit(header: BlockHeader, max_payload_bytes: int) -> None:
         )
 
 
-def validate(blob: BytesLike, *, max_payload_bytes: int | None = None) -> BlockHeader:
+def validate(
+    blob: BytesLike, *, max_payload_bytes: int | None = None, payload_xxh3: int | None = None
+) -> BlockHeader:
     """Check a blob completely (structure, sizes, both checksums) and return its header.
 
     With ``max_payload_bytes``, a block whose uncompressed payload is declared larger is
-    refused (BlockSizeError) before anything is decompressed.
+    refused (BlockSizeError) before anything is decompressed. ``payload_xxh3``: as in
+    ``decode_block`` (the stored payload's digest taken as it was received).
     """
     header, stored = parse(blob)
     if max_payload_bytes is not None:
         check_payload_limit(header, max_payload_bytes)
-    _checked_payload(header, stored)
+    _checked_payload(header, stored, payload_xxh3)
     return header
 
 

@@ -14,6 +14,7 @@ import torch
 
 from nopecache.client.bulk import BulkSource
 from nopecache.proto import cache_pb2 as pb
+from nopecache.proto.block import StoredForm, build_block
 from nopecache.proto.bulk import BLOCK, ENTRY, ERROR_CODE, PUT_REPLY_CODE, encode_put
 from tests.support.bulk_wire import BOUNDED, open_bulk, recv_exact, welcomed
 from tests.support.client_harness import client, config, kv, prompt
@@ -199,3 +200,51 @@ async def test_reused_receive_buffers_never_change_what_was_stored() -> None:
     # Both buffers came back after the first PUT, and were taken again by the second.
     assert idle_after_first == bulk.receive_buffers.idle_bytes == 2 * 1024 * 1024
     assert blobs == [blob_a, None, blob_c, None]
+
+
+@pytest.mark.asyncio
+async def test_a_put_hashed_as_it_lands_is_checked_piece_by_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server hashes a PUT block's payload in pieces as they land and checks that
+    digest: a byte flipped in any piece (the first, across a piece boundary, the last) is
+    refused and not stored, an intact block is stored byte for byte, and an lz4 block
+    (whose checksum covers the decompressed payload, not the bytes received) is checked in
+    full as before. Pieces of 100 bytes and a 1-byte thread threshold: every block spans
+    several pieces and takes the path of a large one."""
+    from nopecache.cache_server import bulk as server_bulk
+    from nopecache.cache_server import verify
+
+    monkeypatch.setattr(server_bulk, "HASH_PIECE", 100)
+    monkeypatch.setattr(verify, "THREAD_BYTES", 1)
+    async with serving(SMALL) as h:
+        keys = [key_of(i) for i in range(20, 25)]
+        blobs = [bytearray(make_block(k, tokens=16)) for k in keys[:4]]
+        payload = len(blobs[0]) - 2 * 16 * 8 * 2
+        for blob, at in zip(blobs[1:4], (0, 99, 2 * 16 * 8 * 2 - 1), strict=True):
+            blob[payload + at] ^= 0x04
+        packed = build_block(
+            key=keys[4],
+            fingerprint=b"test-model",
+            form=StoredForm.NOPE,
+            dtype="float16",
+            shape=(1, 16, 1, 8),
+            v_head_dim=8,
+            token_ids=list(range(16)),
+            payload=bytes(512),  # zeros: lz4 shrinks them
+            compression="lz4",
+        )
+        sent = [bytes(b) for b in blobs] + [packed]
+        sock = await asyncio.to_thread(welcomed, await open_bulk(h))
+        with sock:
+            await asyncio.to_thread(send_put, sock, list(zip(keys, sent, strict=True)))
+            reply = await asyncio.to_thread(read_reply, sock)
+        stored, _ = await get(h.stub, keys)
+    results = outcomes(reply[1])
+    assert [o for o, _, _ in results] == [STORED, REJECTED, REJECTED, REJECTED, STORED]
+    assert all(
+        r.startswith(f"block #{i}: checksum")
+        for i, (_, _, r) in enumerate(results)
+        if i in (1, 2, 3)
+    )
+    assert stored == [sent[0], None, None, None, sent[4]]
