@@ -150,7 +150,11 @@ def rerope_scatter_layers(
             *args, from_positions=from_positions, check_values=check_values
         )
         return
-    validate_scatter_layers(*args, from_positions=from_positions, allow_strided=True)
+    # check_values=False (the caller checked slots and positions, as PagedKV does): no
+    # min/max pass over the slot mapping per call off CUDA either.
+    validate_scatter_layers(
+        *args, from_positions=from_positions, allow_strided=True, check_values=check_values
+    )
     reference.rerope_scatter_layers_reference(*args, from_positions=from_positions)
 
 

@@ -205,7 +205,10 @@ def rerope_scatter_layers_reference(
                 if direct is not None:
                     direct.copy_(k_nope[layer, a:b])
                 else:
-                    writer.write(k_cache, a, k_nope[layer, a:b].to(cache_dtype))
+                    rows = k_nope[layer, a:b]
+                    writer.write(
+                        k_cache, a, rows if rows.dtype == cache_dtype else rows.to(cache_dtype)
+                    )
             elif direct is not None:  # consecutive slots: rotate straight into the cache
                 rotator.apply(k_nope[layer, a:b], direct, a, copy_pass=True)
             else:
@@ -350,11 +353,16 @@ def _assign_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, on_c
     # the same bytes as fast but holds the GIL for the whole assignment (milliseconds
     # for a block), stalling every other Python thread of the engine meanwhile, among
     # them the bulk stream's receiver with the next block.
-    row_bytes = dst.shape[1] * dst.element_size()
-    word = np.dtype(next(f"<u{w}" for w in (8, 4, 2, 1) if row_bytes % w == 0))
+    word = _WORDS[(dst.shape[1] * dst.element_size()) & 7]
     dst_np = dst.view(torch.uint8).numpy().view(word)
     src_np = src.contiguous().view(torch.uint8).numpy().view(word)
     dst_np[index.numpy()] = src_np
+
+
+# The widest unsigned word dividing a row, by the row's size modulo 8.
+_WORDS = [
+    np.dtype(f"<u{8 if r == 0 else 4 if r % 4 == 0 else 2 if r % 2 == 0 else 1}") for r in range(8)
+]
 
 
 def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
