@@ -403,7 +403,9 @@ class KVCacheService:
         try:
             _refuse_malformed(request)
             assert isinstance(request, pb.OpenArenaRequest)
-            offer = await self.zero_copy.offer(tenant.name, request.pid)
+            offer = await self.zero_copy.offer(
+                tenant.name, request.pid, accept_cuda_ipc=request.accept_cuda_ipc
+            )
         except Refusal as r:
             await self._abort(context, "OpenArena", r)
         return pb.OpenArenaReply(
@@ -413,6 +415,8 @@ class KVCacheService:
             arena=offer.arena,
             size=offer.size,
             refused=offer.refused,
+            kind=pb.ArenaKind.ValueType(offer.kind),
+            cuda_device_uuid=offer.cuda_device_uuid,
         )
 
     async def LeaseGet(

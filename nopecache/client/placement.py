@@ -52,6 +52,7 @@ import torch
 
 from nopecache.client import pinned
 from nopecache.client.chunking import TokenArray
+from nopecache.client.cuda_arena import DeviceBlob, FetchedBlob, decode_device_block
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.plan import Hit
@@ -274,9 +275,26 @@ class StagingRing:
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
         # Direct copies in flight: each source is kept (and with it the read lease of the
-        # server's pages it views) until its DMA completed.
-        self._direct: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        # server's pages it views) until its DMA completed; likewise blocks read straight
+        # from a server's device pool (``hold``).
+        self._direct: deque[tuple[torch.cuda.Event, object]] = deque()
         self.direct_copies = 0  # tensors copied straight from registered memory
+
+    def hold(self, source: object) -> None:
+        """Keep ``source`` (a DeviceBlob: its lease) until the work issued so far on the
+        current stream completed (blocks read device to device from a server's pool)."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream())
+        self._direct.append((done, source))
+        self.release_done()
+
+    def release_done(self, wait: bool = False) -> None:
+        """Drop the sources whose copies completed (``wait``: all, waiting for them);
+        bounded at ``_MAX_DIRECT`` in flight."""
+        while self._direct and (wait or self._direct[0][0].query()):
+            self._direct.popleft()[0].synchronize()
+        while len(self._direct) > _MAX_DIRECT:
+            self._direct.popleft()[0].synchronize()
 
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``t`` (host) as a new tensor on CUDA ``device``, copied on the current stream:
@@ -315,7 +333,7 @@ class StagingRing:
 
 
 def decode_for_hit(
-    blob: BytesLike,
+    blob: BytesLike | FetchedBlob,
     hit: Hit,
     prompt: TokenArray,
     fingerprint: ModelFingerprint,
@@ -334,8 +352,9 @@ def decode_for_hit(
     first = dst.start - src.start
     if first < 0:
         raise BlockMismatchError(f"hit: source {src} starts before the prompt for target {dst}")
-    block = decode_block(
-        blob,
+    decode = decode_device_block if isinstance(blob, DeviceBlob) else decode_block
+    block = decode(
+        blob,  # type: ignore[arg-type]  # the one decode for its kind of blob
         expect_key=hit.key.value,
         expect_fingerprint=fingerprint.to_bytes(),
         expect_tokens=prompt[first : dst.end].tolist(),
