@@ -147,6 +147,10 @@ class DeviceBlob:
         self.nbytes = sum(int(p.numel()) for p in parts)
         self.lease_deadline = lease_deadline
 
+    def __bytes__(self) -> bytes:
+        """A host copy of the block's bytes."""
+        return bytes(host_view(self))
+
     def joined(self) -> torch.Tensor:
         """The block's bytes as one device tensor: the view itself for one run, else a
         copy joined on the current stream."""
