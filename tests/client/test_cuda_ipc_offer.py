@@ -13,6 +13,7 @@ device to device is ``test_zero_copy_cuda.py`` (``gpu``-marked, ``make gpu-check
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import sys
@@ -102,9 +103,9 @@ def test_the_arena_kind_and_the_ipc_handle_round_trip_and_old_messages_read_as_b
     msg = HANDLE.pack()
     assert msg[:1] == b"\x02" and int.from_bytes(msg[1:5], "little") == len(msg) - 5
     assert CudaIpcHandle.unpack(msg[5:]) == HANDLE
-    with pytest.raises(ValueError, match="CudaIpcHandle.size_bytes: must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"CudaIpcHandle\.size_bytes: must be an int >= 0"):
         replace(HANDLE, size_bytes=-1)
-    with pytest.raises(ValueError, match="CudaIpcHandle.handle: empty"):
+    with pytest.raises(ValueError, match=r"CudaIpcHandle\.handle: empty"):
         replace(HANDLE, handle=b"")
     with pytest.raises(ValueError, match="expected a list of 7 fields"):
         CudaIpcHandle.unpack(b"\x92\x01\x02")
@@ -279,7 +280,7 @@ def test_a_block_in_a_pool_decodes_to_what_its_bytes_decode_to(runs: int) -> Non
     blob, k, v = _blob()
     pool = _pool_with(blob, 8192)
     cut = [0, *(len(blob) * i // runs for i in range(1, runs)), len(blob)]
-    parts = [pool[8192 + a : 8192 + b] for a, b in zip(cut, cut[1:], strict=False)]
+    parts = [pool[8192 + a : 8192 + b] for a, b in itertools.pairwise(cut)]
     dev = DeviceBlob(parts)
     assert dev.nbytes == len(blob) and bytes(dev) == blob and bytes(host_view(dev)) == blob
     got = decode_device_block(dev, expect_key=key_of(9), expect_tokens=range(16))
