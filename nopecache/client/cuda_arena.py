@@ -16,9 +16,12 @@ runs are byte offsets in it, exactly as in a host pool::
                                 placement stream, ``StagingRing.hold``), never before
 
 The payload checksum is not recomputed here: the bytes never reach the host (there is no
-xxh3 on the GPU), the server checked it when the block was stored
-(``proto.block.validate`` on every Put), and nobody but the server can write the pool.
-A compressed (lz4) block is copied to the host and decoded there (checked in full).
+xxh3 on the GPU) and the server checked it when the block was stored
+(``proto.block.validate`` on every Put). Unlike the sealed memfd, a CUDA IPC mapping
+cannot be made read-only: this client never writes through it, but a process of the same
+tenant that was handed the pool could; the trust boundary of this path is the tenant
+(docs/security.md). A compressed (lz4) block is copied to the host and decoded there
+(checked in full).
 
 A client that cannot open the pool (no CUDA in this process, the GPU not visible here,
 ``cudaIpcOpenMemHandle`` failing, e.g. in the server's own process) raises

@@ -144,7 +144,6 @@ class CudaTier(PagedTier):
         # written, as its key is in the index from the allocation on.
         self._writing: Placement | None = None
         self.cuda_device_uuid = cuda_device_uuid(self.device)
-        self._ipc: CudaIpcHandle | None = None
 
     @classmethod
     def from_url(cls, url: str) -> CudaTier:
@@ -243,11 +242,10 @@ class CudaTier(PagedTier):
         return super().lease(key, host_views=host_views)
 
     def cuda_ipc_handle(self) -> CudaIpcHandle:
-        """The pool's CUDA IPC handle (made once; the pool lives until ``close``)."""
+        """The pool's CUDA IPC handle for one more process: made per handoff, as torch
+        counts every process it is handed to (each one's close counts it back down)."""
         self._check_open()
-        if self._ipc is None:
-            self._ipc = share_pool(self._pool_tensor())
-        return self._ipc
+        return share_pool(self._pool_tensor())
 
     # ------------------------------------------------------------------ copy thread
 

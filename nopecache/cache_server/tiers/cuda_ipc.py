@@ -4,7 +4,9 @@ torch does the CUDA work: ``UntypedStorage._share_cuda_()`` returns the
 ``cudaIpcMemHandle`` of the allocation that holds the pool, the pool's offset in it, and
 torch's producer-side reference counter (a small shared-memory file counting the
 processes that hold the allocation open, so that the caching allocator never frees it
-under them). The handle is made once per pool; the pool lives as long as the tier.
+under them). ``_share_cuda_`` adds one to that count per call and each opener's close
+takes one off, so a handle is made per process it is handed to, as torch's own
+``multiprocessing`` does per send. The pool lives as long as the tier.
 
 A process opens it with ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` on the
 same GPU (``nopecache/client/cuda_arena.py``). The device index means nothing across
