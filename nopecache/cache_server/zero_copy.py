@@ -61,6 +61,7 @@ from nopecache.cache_server.refusal import Refusal, RefusalKind
 from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tiers.cpu import CpuTier, PagedTier, TierLease
 from nopecache.proto.arena_layout import (
+    CUDA_IPC_NOT_ACCEPTED,
     HANDOFF_ERROR,
     HANDOFF_OK,
     HANDOFF_TIMEOUT_S,
@@ -181,11 +182,7 @@ class ZeroCopy:
             why = self.why_not if self.owner is None else "the pool belongs to another tenant"
             return ArenaOffer(refused=why, kind=self.kind)
         if self.kind is ArenaKind.CUDA_IPC and not accept_cuda_ipc:
-            return ArenaOffer(
-                refused="the pool is in CUDA memory (cuda://) and this client does not open "
-                "CUDA IPC (OpenArenaRequest.accept_cuda_ipc)",
-                kind=self.kind,
-            )
+            return ArenaOffer(refused=CUDA_IPC_NOT_ACCEPTED, kind=self.kind)
         if pid <= 0:
             raise Refusal(
                 RefusalKind.BAD_REQUEST, "bad_pid", f"OpenArenaRequest.pid: must be > 0, got {pid}"

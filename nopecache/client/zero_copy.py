@@ -63,6 +63,7 @@ from nopecache.client.transport import BlockSource, ServerConnection
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.arena_layout import (
     CUDA_IPC_LENGTH,
+    CUDA_IPC_NOT_ACCEPTED,
     HANDOFF_CUDA_IPC,
     HANDOFF_OK,
     HANDOFF_TIMEOUT_S,
@@ -310,7 +311,7 @@ class ZeroCopySource:
             return
         cuda = reply.kind == ArenaKind.CUDA_IPC
         if reply.refused or not reply.nonce:
-            if cuda and not accept_cuda_ipc:
+            if cuda and reply.refused == CUDA_IPC_NOT_ACCEPTED:
                 self._cuda_fallback(reply.refused)
             else:
                 self._refuse(f"the server offers no pool: {reply.refused}")

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "CUDA_IPC_NOT_ACCEPTED",
     "HANDOFF_CUDA_IPC",
     "HANDOFF_ERROR",
     "HANDOFF_OK",
@@ -49,6 +50,11 @@ LEASE_ID_BYTES = 16
 HANDOFF_OK = b"\x00"
 HANDOFF_ERROR = b"\x01"
 HANDOFF_CUDA_IPC = b"\x02"
+# OpenArenaReply.refused of a pool on a GPU to a client that does not accept CUDA IPC.
+CUDA_IPC_NOT_ACCEPTED = (
+    "the pool is in CUDA memory (cuda://) and this client does not open CUDA IPC "
+    "(OpenArenaRequest.accept_cuda_ipc)"
+)
 CUDA_IPC_LENGTH = struct.Struct("<I")
 # A packed handle is ~200 bytes (two 64-byte CUDA handles, a short shm name): a reader
 # never takes more than this from the socket.

@@ -186,6 +186,18 @@ async def test_a_gpu_pool_of_a_server_of_two_tenants_is_offered_to_neither() -> 
                 )
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             await channel.close(None)
+        # The engine's client: refused for the tenants (not a CUDA IPC fallback), copies.
+        fast = ShmFastPath("auto")
+        conn = connection(h.running.address, fast, token=BOB)
+        channel = open_channel(h.running.address, token=BOB)
+        assert (await put(cache_pb2_grpc.KVCacheStub(channel), [block(1)], 60000))[0].outcome
+        await channel.close(None)
+        got = await blobs(conn, [key_of(1)])
+        assert got[0] is not None and bytes(got[0]) == block(1)[1]
+        stats = fast.stats()
+        assert (stats.cuda_ipc_fallbacks, stats.leased_blocks, stats.copied_blocks) == (0, 0, 1)
+        await fast.close()
+        await conn.close()
 
 
 @pytest.mark.asyncio
