@@ -182,7 +182,7 @@ class BlockPlacer:
                     else:
                         assert out is not None
                         place_contiguous(block, hit, out[0], out[1], self.rope)
-                if device:
+                if device and into is not None and into.stream is not None:
                     self.staging.hold(blob)
         except BlockError as e:
             log.warning("nopecache: block %s failed verification, a miss: %s", hits[0].key.hex(), e)

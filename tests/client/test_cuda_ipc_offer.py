@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import textwrap
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -29,8 +30,14 @@ import torch
 
 from nopecache.cache_server.tiers.cpu import CpuTier
 from nopecache.cache_server.zero_copy import ZeroCopy
+from nopecache.client.chunking import ChunkSpan, token_array
 from nopecache.client.cuda_arena import DeviceBlob, decode_device_block, host_view
 from nopecache.client.errors import ArenaRefusedError
+from nopecache.client.fetching import BlockPlacer
+from nopecache.client.keys import BlockKey
+from nopecache.client.metrics import ClientMetrics
+from nopecache.client.placement import PagedKV
+from nopecache.client.plan import Hit, HitKind
 from nopecache.client.shm import ShmFastPath
 from nopecache.client.zero_copy import receive_arena, receive_arena_fd
 from nopecache.proto import cache_pb2 as pb
@@ -40,7 +47,9 @@ from nopecache.proto.block import (
     BlockChecksumError,
     BlockMismatchError,
     BlockSizeError,
+    StoredForm,
     decode_block,
+    encode_block,
     head_nbytes,
     parse,
     parse_head,
@@ -267,8 +276,6 @@ def _blob(tokens: int = 16, compression: str = "none") -> tuple[bytes, torch.Ten
     g = torch.Generator().manual_seed(5)
     k = torch.randn(2, tokens, 2, 64, generator=g).to(torch.bfloat16)
     v = torch.randn(2, tokens, 2, 64, generator=g).to(torch.bfloat16)
-    from nopecache.proto.block import StoredForm, encode_block
-
     blob = encode_block(
         key=key_of(9),
         fingerprint=b"fp",
@@ -334,3 +341,47 @@ def test_a_header_parses_from_its_first_bytes_as_from_the_whole_blob() -> None:
         parse_head(blob[:1024], len(blob))
     with pytest.raises(BlockSizeError, match="shorter than the 16-byte prefix"):
         head_nbytes(blob[:8], len(blob))
+
+
+@pytest.mark.parametrize("runs", [1, 2])
+def test_the_placer_places_a_pool_block_as_it_places_the_same_bytes_from_the_host(
+    runs: int,
+) -> None:
+    """BlockPlacer.place of a DeviceBlob (here views of a CPU tensor standing in for the
+    device pool: the same torch code) writes the paged cache exactly as the host bytes do,
+    through the same rerope_scatter_layers path, and a wrong key is a miss either way."""
+    from tests.client.test_placement import KEY, SPEC, _block, _fingerprint, _kv
+
+    k, v = _kv(16, seed=4)
+    blob = _block(k, v, list(range(100, 116)))
+    at = 3 * 4096
+    pool = _pool_with(blob, at)
+    cut = len(blob) // 2 if runs == 2 else len(blob)
+    parts = [pool[at : at + cut]]
+    if runs == 2:
+        parts.append(pool[at + cut : at + len(blob)])
+    prompt = token_array([1, 2, 3, 4, *range(100, 116), 5, 6, 7, 8])
+    placer = BlockPlacer(_fingerprint(), _fingerprint(), SPEC, k.shape[-1], ClientMetrics())
+
+    def paged() -> PagedKV:
+        shape = (4, 8, k.shape[2], k.shape[3])
+        return PagedKV(
+            [torch.zeros(shape) for _ in range(k.shape[0])],
+            [torch.zeros(shape) for _ in range(k.shape[0])],
+            torch.arange(31, 7, -1, dtype=torch.int64),
+        )
+
+    def hit(key: BlockKey) -> Hit:
+        kind = HitKind.POSITION_INDEPENDENT
+        return Hit(key, ChunkSpan(4, 20), ChunkSpan(0, 16), StoredForm.NOPE, kind)
+
+    caches = []
+    for source in (memoryview(blob), DeviceBlob(parts)):
+        into = paged()
+        assert placer.place(source, [hit(KEY)], prompt, into, None, threading.Event())
+        assert into.v_caches is not None
+        caches.append([*into.k_caches, *into.v_caches])
+    for a, b in zip(*caches, strict=True):
+        assert torch.equal(a, b) and bool(a.abs().sum() > 0)
+    wrong = hit(BlockKey(key_of(3)))
+    assert not placer.place(DeviceBlob(parts), [wrong], prompt, paged(), None, threading.Event())
