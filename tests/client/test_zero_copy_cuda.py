@@ -30,6 +30,7 @@ from nopecache.cache_server.tiers.base import PutStatus
 from nopecache.client import PagedKV
 from nopecache.client.cuda_arena import CudaArena, DeviceBlob
 from nopecache.client.shm import ShmFastPath
+from nopecache.client.transport import ServerConnection
 from nopecache.client.zero_copy import ZeroCopySource
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
@@ -104,8 +105,7 @@ def _released(source: ZeroCopySource, n: int) -> bool:
     return source.released == n
 
 
-async def _held(fast: ShmFastPath, address: str, keys: list[bytes]) -> list[DeviceBlob]:
-    conn = connection(address, fast)
+async def _held(conn: ServerConnection, keys: list[bytes]) -> list[DeviceBlob]:
     out = []
     async for _, blob in conn.get(b"".join(keys)):
         assert isinstance(blob, DeviceBlob)
@@ -129,7 +129,8 @@ async def _eviction_storm(address: str) -> None:
     stored = [block(i) for i in range(10)]
     await put(stub, stored, 60000)
     fast = ShmFastPath("auto")
-    held = await _held(fast, address, [k for k, _ in stored])
+    conn = connection(address, fast)
+    held = await _held(conn, [k for k, _ in stored])
     assert fast.stats().leased_blocks == 10
     # Four pools' worth of other blocks: every unleased page is rewritten, several times.
     storm = [block(1000 + i) for i in range(4 * 4 * 2**20 // (9 * 4096))]
@@ -143,6 +144,7 @@ async def _eviction_storm(address: str) -> None:
     await source.settle()
     assert source.released == 10
     await fast.close()
+    await conn.close()
     await channel.close(None)
 
 
@@ -229,4 +231,23 @@ async def _write_guard() -> None:
     offset = lease.placement.runs[0][0] * 4096
     assert bytes(pool[offset : offset + len(blob)].cpu().numpy()) == blob
     lease.release()
+    await tier.close()
+
+
+def test_a_gpu_put_that_only_leased_pages_could_hold_is_unavailable() -> None:
+    asyncio.run(_leased_room())
+
+
+async def _leased_room() -> None:
+    from nopecache.cache_server.tiers.cuda import CudaTier
+
+    tier = CudaTier(4 * 4096, page_bytes=4096)
+    assert (await tier.put(b"a", bytes(range(256)) * 32)).status is PutStatus.STORED  # 2 pages
+    lease = tier.lease(b"a", host_views=False)
+    assert lease is not None
+    # 3 pages: only by evicting "a", whose pages are leased: refused, nothing evicted.
+    assert (await tier.put(b"b", bytes(3 * 4096))).status is PutStatus.UNAVAILABLE
+    assert await tier.get(b"a") == bytes(range(256)) * 32
+    lease.release()
+    assert (await tier.put(b"b", bytes(3 * 4096))).status is PutStatus.STORED
     await tier.close()

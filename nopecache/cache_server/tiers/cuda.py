@@ -211,6 +211,10 @@ class CudaTier(PagedTier):
             need = table.pages_for(len(src))
             if need > table.n_pages:
                 return PutResult(PutStatus.TOO_LARGE)
+            if need > table.n_pages - table.leased_pages:
+                # Pages leased to CUDA IPC readers come back when their reads end; nothing
+                # is evicted for it (as in PagedTier.put).
+                return PutResult(PutStatus.UNAVAILABLE)
             old: list[tuple[bytes, Placement]] = []
             while table.free_pages < need:
                 old_key, placement = table.pop_lru()
