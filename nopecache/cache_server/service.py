@@ -398,7 +398,8 @@ class KVCacheService:
     async def OpenArena(
         self, request: pb.OpenArenaRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenArenaReply:
-        """A one-use nonce for the read-only descriptor of the host tier's pool (zero_copy.py)."""
+        """A one-use nonce for the read-only descriptor of the host tier's pool, or for the
+        CUDA IPC handle of a cuda:// pool (zero_copy.py)."""
         tenant = self._resolve(context).tenant
         try:
             _refuse_malformed(request)

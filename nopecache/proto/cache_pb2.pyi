@@ -1227,7 +1227,9 @@ class OpenArenaRequest(_message.Message):
     sends the 16-byte nonce and receives, with SCM_RIGHTS, a read-only descriptor of the
     pool, which it maps whole. The server checks the nonce (once, within nonce_ttl_ms) and
     that the connecting process is `pid` (SO_PEERCRED). Any other outcome is a one-line
-    error message on the socket instead of the descriptor.
+    error message on the socket instead of the descriptor. A cuda:// pool is offered the
+    same way to a client that accepts CUDA IPC (OpenArenaReply.kind): the socket then
+    answers with the pool's CUDA IPC handle instead of a descriptor.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
