@@ -395,6 +395,9 @@ def _on(t: torch.Tensor, device: torch.device, staging: StagingRing | None) -> t
     # Blocks decode on the host; a GPU cache gets them with one transfer per tensor.
     if t.device == device:
         return t
+    if t.device.type == "cuda" and device.type == "cuda":
+        # A server's device pool on another GPU than the cache: one peer copy, no host.
+        return t.to(device, non_blocking=True)
     if staging is not None and device.type == "cuda":
         return staging.to_device(t, device)
     return t.to(device)
