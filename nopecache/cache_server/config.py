@@ -301,14 +301,15 @@ class ServerConfig:
         metadata=_opt(
             _BOOL,
             "offer same-host clients of the only tenant a read-only mapping of the cpu:// "
-            "tier's pool and read leases of its pages (auth with several tenants: never)",
+            "tier's pool (the cuda:// tier's over CUDA IPC) and read leases of its pages "
+            "(auth with several tenants: never)",
         ),
     )
     zero_copy_share: float = field(
         default=0.25,
         metadata=_opt(
             _FLOAT,
-            "most of the cpu:// tier's pool that clients' read leases may hold at once, in "
+            "most of the cpu:// (or cuda://) tier's pool that clients' read leases may hold at once, in "
             "(0, 0.5]; past it a Get takes the copying paths",
             "FRACTION",
         ),

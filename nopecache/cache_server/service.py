@@ -398,12 +398,15 @@ class KVCacheService:
     async def OpenArena(
         self, request: pb.OpenArenaRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenArenaReply:
-        """A one-use nonce for the read-only descriptor of the host tier's pool (zero_copy.py)."""
+        """A one-use nonce for the read-only descriptor of the host tier's pool, or for the
+        CUDA IPC handle of a cuda:// pool (zero_copy.py)."""
         tenant = self._resolve(context).tenant
         try:
             _refuse_malformed(request)
             assert isinstance(request, pb.OpenArenaRequest)
-            offer = await self.zero_copy.offer(tenant.name, request.pid)
+            offer = await self.zero_copy.offer(
+                tenant.name, request.pid, accept_cuda_ipc=request.accept_cuda_ipc
+            )
         except Refusal as r:
             await self._abort(context, "OpenArena", r)
         return pb.OpenArenaReply(
@@ -413,6 +416,8 @@ class KVCacheService:
             arena=offer.arena,
             size=offer.size,
             refused=offer.refused,
+            kind=pb.ArenaKind.ValueType(offer.kind),
+            cuda_device_uuid=offer.cuda_device_uuid,
         )
 
     async def LeaseGet(

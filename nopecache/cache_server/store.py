@@ -280,16 +280,17 @@ class TieredStore:
             out[: len(blob)] = blob
         return len(blob), tier
 
-    def lease(self, key: bytes) -> tuple[TierLease, TierName] | None:
+    def lease(self, key: bytes, *, host_views: bool = True) -> tuple[TierLease, TierName] | None:
         """A read lease of ``key``'s bytes where the fastest tier holds them in host memory
         (``PagedTier.lease``: views valid until released, counted as a hit), else None
         (a miss there, another kind of tier, an untrusted one, leases at their share):
-        the caller uses ``get_into`` then."""
+        the caller uses ``get_into`` then. ``host_views=False``: the pages alone, also of a
+        pool on a GPU (a CUDA IPC reader)."""
         check_key(key)
         top = self._tiers[0]
         if not isinstance(top, PagedTier) or not (top.trusted or self._verify is None):
             return None
-        lease = top.lease(key)
+        lease = top.lease(key, host_views=host_views)
         if lease is None:
             return None
         self._observer.on_hit(top.name)

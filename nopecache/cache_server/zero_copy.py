@@ -16,6 +16,14 @@ straight from its mapping into the paged cache: one copy, fused with re-RoPE::
     place from the mapping              pages never rewritten while leased
     ReleaseLeases(ids) -------------->  tier leases end (or the expiry timer ends them)
 
+CUDA. Where the fastest tier is ``cuda://`` (a ``PagedTier`` whose pool is one device
+tensor), the offer is of kind ``ARENA_KIND_CUDA_IPC``: the same nonce and SO_PEERCRED
+handshake, but the socket answers with the pool's CUDA IPC handle (bytes, never over
+gRPC) instead of a descriptor, and only to a client that said it can open one
+(``OpenArenaRequest.accept_cuda_ipc``; the others are refused and take the copying paths).
+LeaseGet answers page runs in the device pool exactly as in the host pool; the tier
+leases pages without host views and never a block whose pages are still being written.
+
 Tenants. One mapping shows the whole pool, and the pool holds every tenant's blocks, so
 the pool is offered only where the server has one tenant: auth off (the anonymous tenant)
 or a token table naming a single tenant. With several tenants OpenArena answers
@@ -51,14 +59,16 @@ from dataclasses import dataclass
 
 from nopecache.cache_server.refusal import Refusal, RefusalKind
 from nopecache.cache_server.store import TieredStore
-from nopecache.cache_server.tiers.cpu import CpuTier, TierLease
+from nopecache.cache_server.tiers.cpu import CpuTier, PagedTier, TierLease
 from nopecache.proto.arena_layout import (
+    CUDA_IPC_NOT_ACCEPTED,
     HANDOFF_ERROR,
     HANDOFF_OK,
     HANDOFF_TIMEOUT_S,
     LEASE_ID_BYTES,
     MAX_ERROR_BYTES,
     NONCE_BYTES,
+    ArenaKind,
 )
 
 __all__ = ["NONCE_TTL_S", "ArenaOffer", "Grant", "ZeroCopy"]
@@ -80,6 +90,8 @@ class ArenaOffer:
     arena: bytes = b""
     size: int = 0
     refused: str = ""
+    kind: ArenaKind = ArenaKind.HOST_MEMFD
+    cuda_device_uuid: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +134,12 @@ class ZeroCopy:
         to nobody until :meth:`offer_to`."""
         top = store.tiers[0] if store.tiers else None
         self._store = store
-        self._tier = top if isinstance(top, CpuTier) and top.arena_fd is not None else None
+        self._tier: PagedTier | None = None
+        self.kind = ArenaKind.HOST_MEMFD
+        if isinstance(top, PagedTier) and top.cuda_device_uuid is not None:
+            self._tier, self.kind = top, ArenaKind.CUDA_IPC
+        elif isinstance(top, CpuTier) and top.arena_fd is not None:
+            self._tier = top
         self.owner: str | None = None
         self.why_not = "zero copy is not offered"
         self.share = share
@@ -140,7 +157,10 @@ class ZeroCopy:
     def offer_to(self, owner: str | None, why_not: str = "") -> None:
         """Offer the pool to tenant ``owner`` only (None: to nobody, ``why_not`` says why)."""
         if self._tier is None and owner is not None:
-            owner, why_not = None, "the fastest tier is not an unpinned cpu:// pool"
+            owner, why_not = (
+                None,
+                "the fastest tier is neither an unpinned cpu:// nor a cuda:// pool",
+            )
         self.owner = owner
         self.why_not = why_not or "zero copy is not offered"
 
@@ -155,11 +175,14 @@ class ZeroCopy:
         return 0 if self._tier is None else int(self.share * self._tier.capacity_bytes)
 
     # -- the offer -----------------------------------------------------------------------
-    async def offer(self, tenant: str, pid: int) -> ArenaOffer:
-        """A one-use nonce for ``tenant``'s process ``pid``, or why not."""
+    async def offer(self, tenant: str, pid: int, *, accept_cuda_ipc: bool = False) -> ArenaOffer:
+        """A one-use nonce for ``tenant``'s process ``pid``, or why not (a pool on a GPU
+        only for a client that ``accept_cuda_ipc``)."""
         if self._tier is None or tenant != self.owner:
             why = self.why_not if self.owner is None else "the pool belongs to another tenant"
-            return ArenaOffer(refused=why)
+            return ArenaOffer(refused=why, kind=self.kind)
+        if self.kind is ArenaKind.CUDA_IPC and not accept_cuda_ipc:
+            return ArenaOffer(refused=CUDA_IPC_NOT_ACCEPTED, kind=self.kind)
         if pid <= 0:
             raise Refusal(
                 RefusalKind.BAD_REQUEST, "bad_pid", f"OpenArenaRequest.pid: must be > 0, got {pid}"
@@ -173,7 +196,14 @@ class ZeroCopy:
             return ArenaOffer(refused=f"{_MAX_NONCES} nonces outstanding; try again later")
         nonce = secrets.token_bytes(NONCE_BYTES)
         self._nonces[nonce] = (tenant, pid, now + NONCE_TTL_S)
-        return ArenaOffer(nonce, self._name, self.arena, self._tier.capacity_bytes)
+        return ArenaOffer(
+            nonce,
+            self._name,
+            self.arena,
+            self._tier.capacity_bytes,
+            kind=self.kind,
+            cuda_device_uuid=self._tier.cuda_device_uuid or "",
+        )
 
     def _listen(self) -> None:
         if self._sock is not None:
@@ -210,7 +240,13 @@ class ZeroCopy:
                 if why:
                     await loop.sock_sendall(conn, HANDOFF_ERROR + why.encode()[:MAX_ERROR_BYTES])
                     return
-                assert self._tier is not None and self._tier.arena_fd is not None
+                if self.kind is ArenaKind.CUDA_IPC:
+                    assert self._tier is not None
+                    # The handle, like the descriptor, only to the process that proved it
+                    # is the pid the nonce was issued to.
+                    await loop.sock_sendall(conn, self._tier.cuda_ipc_handle().pack())
+                    return
+                assert isinstance(self._tier, CpuTier) and self._tier.arena_fd is not None
                 fd = os.open(f"/proc/self/fd/{self._tier.arena_fd}", os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     conn.setblocking(True)  # one byte and a descriptor: never blocks
@@ -219,6 +255,11 @@ class ZeroCopy:
                     os.close(fd)
             except (TimeoutError, OSError, ConnectionError) as e:
                 log.debug("arena handoff failed: %s", e)
+            except (RuntimeError, NotImplementedError, ValueError) as e:  # no IPC handle
+                log.warning("arena handoff: the pool's CUDA IPC handle failed: %s", e)
+                with contextlib.suppress(OSError):
+                    msg = f"the server could not share its CUDA pool: {e}"
+                    await loop.sock_sendall(conn, HANDOFF_ERROR + msg.encode()[:MAX_ERROR_BYTES])
 
     def _redeem(self, nonce: bytes, pid: int) -> str:
         """Why ``nonce`` presented by process ``pid`` gets no descriptor ("" if it does)."""
@@ -254,7 +295,7 @@ class ZeroCopy:
         tiers: list[str | None] = []
         runs: list[list[tuple[int, int]]] = []
         for key in keys:
-            lent = self._store.lease(key)
+            lent = self._store.lease(key, host_views=self.kind is ArenaKind.HOST_MEMFD)
             if lent is None:
                 ids.append(b"")
                 tiers.append(None)

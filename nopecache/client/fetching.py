@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ import torch
 
 from nopecache.client.buffers import payload_xxh3
 from nopecache.client.chunking import ChunkSpan, TokenArray
+from nopecache.client.cuda_arena import DeviceBlob, FetchedBlob
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.metrics import ClientMetrics
@@ -157,7 +159,7 @@ class BlockPlacer:
 
     def place(
         self,
-        blob: memoryview,
+        blob: FetchedBlob,
         hits: Sequence[Hit],
         prompt: TokenArray,
         into: PagedKV | None,
@@ -170,15 +172,22 @@ class BlockPlacer:
         fp = self.prefix_fingerprint if hits[0].kind is HitKind.PREFIX else self.pi_fingerprint
         # The payload's digest when the bulk stream hashed it as it arrived (else None:
         # verification reads it); one for every hit of the blob.
-        digest = payload_xxh3(blob)
+        digest = payload_xxh3(blob) if isinstance(blob, memoryview) else None
         try:
-            for hit in hits:
-                block = decode_for_hit(blob, hit, prompt, fp, self.v_head_dim, digest)
-                if into is not None:
-                    place_paged(block, hit, into, self.rope, self.staging)
-                else:
-                    assert out is not None
-                    place_contiguous(block, hit, out[0], out[1], self.rope)
+            # A block in a server's device pool is read on into's stream (its header copy,
+            # a join of several runs) and kept, with its lease, until that stream has
+            # finished reading it.
+            device = isinstance(blob, DeviceBlob) and into is not None
+            with into.issuing() if device and into is not None else contextlib.nullcontext():
+                for hit in hits:
+                    block = decode_for_hit(blob, hit, prompt, fp, self.v_head_dim, digest)
+                    if into is not None:
+                        place_paged(block, hit, into, self.rope, self.staging)
+                    else:
+                        assert out is not None
+                        place_contiguous(block, hit, out[0], out[1], self.rope)
+                if device and into is not None and into.stream is not None:
+                    self.staging.hold(blob)
         except BlockError as e:
             log.warning("nopecache: block %s failed verification, a miss: %s", hits[0].key.hex(), e)
             self.metrics.record_verify_failure()
@@ -229,7 +238,7 @@ class Download:
             if into is not None and not _lands(hit, into):
                 continue
             self.by_key.setdefault(hit.key.value, []).append(hit)
-        self.queue: asyncio.Queue[tuple[list[Hit], memoryview | None] | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[list[Hit], FetchedBlob | None] | None] = asyncio.Queue()
         self.consumed = False
         self.task = asyncio.get_running_loop().create_task(self._run())
 
@@ -255,7 +264,7 @@ class Download:
 
     def _place(
         self,
-        blob: memoryview,
+        blob: FetchedBlob,
         hits: Sequence[Hit],
         prompt: TokenArray,
         into: PagedKV | None,
@@ -272,7 +281,8 @@ class Download:
             # placed may have been rewritten meanwhile: failed (the engine recomputes).
             return placed and not lapsed(blob)
         finally:
-            self.pool.give(blob)
+            if isinstance(blob, memoryview):
+                self.pool.give(blob)
 
     async def place(self, arr: TokenArray, into: PagedKV | None) -> FetchResult:
         """Place every block as it arrives; the result once all are placed or missed."""
@@ -308,6 +318,11 @@ class Download:
         placed.sort(key=_by_target)
         failed.sort(key=_by_target)
         seconds = time.perf_counter() - self.start
+        # Blocks read from a server's device pool are held (with their leases) until the
+        # GPU finished reading them: released on the worker, after this fetch's jobs,
+        # without making the fetch wait for the GPU.
+        with contextlib.suppress(RuntimeError):  # the client is closing: the TTL ends them
+            self.worker.submit(self.placer.staging.release_done, True)
         # Every job has returned: all of the fetch's work is issued on into's stream.
         ready = None if into is None else into.record_ready()
         mask = torch.zeros(self.plan.num_tokens, dtype=torch.bool)

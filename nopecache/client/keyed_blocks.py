@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from nopecache.client.bulk import BulkSource
 from nopecache.client.config import ClientConfig
+from nopecache.client.cuda_arena import host_view
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.metrics import ClientMetrics
 from nopecache.client.sharding import Rendezvous
@@ -168,10 +169,11 @@ class KeyedBlockClient:
                 async for n, blob in blocks:
                     if blob is None:
                         continue
+                    host = host_view(blob)  # a block in a server's GPU pool comes over
                     try:
-                        taken[idx[n]] = sink(idx[n], blob)
+                        taken[idx[n]] = sink(idx[n], host)
                     finally:
-                        self._pool.give(blob)
+                        self._pool.give(host)
             finally:
                 await blocks.aclose()  # type: ignore[attr-defined]
 

@@ -52,6 +52,7 @@ import torch
 
 from nopecache.client import pinned
 from nopecache.client.chunking import TokenArray
+from nopecache.client.cuda_arena import DeviceBlob, FetchedBlob, decode_device_block
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.plan import Hit
@@ -274,9 +275,26 @@ class StagingRing:
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
         # Direct copies in flight: each source is kept (and with it the read lease of the
-        # server's pages it views) until its DMA completed.
-        self._direct: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        # server's pages it views) until its DMA completed; likewise blocks read straight
+        # from a server's device pool (``hold``).
+        self._direct: deque[tuple[torch.cuda.Event, object]] = deque()
         self.direct_copies = 0  # tensors copied straight from registered memory
+
+    def hold(self, source: object) -> None:
+        """Keep ``source`` (a DeviceBlob: its lease) until the work issued so far on the
+        current stream completed (blocks read device to device from a server's pool)."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream())
+        self._direct.append((done, source))
+        self.release_done()
+
+    def release_done(self, wait: bool = False) -> None:
+        """Drop the sources whose copies completed (``wait``: all, waiting for them);
+        bounded at ``_MAX_DIRECT`` in flight."""
+        while self._direct and (wait or self._direct[0][0].query()):
+            self._direct.popleft()[0].synchronize()
+        while len(self._direct) > _MAX_DIRECT:
+            self._direct.popleft()[0].synchronize()
 
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``t`` (host) as a new tensor on CUDA ``device``, copied on the current stream:
@@ -315,7 +333,7 @@ class StagingRing:
 
 
 def decode_for_hit(
-    blob: BytesLike,
+    blob: BytesLike | FetchedBlob,
     hit: Hit,
     prompt: TokenArray,
     fingerprint: ModelFingerprint,
@@ -339,13 +357,15 @@ def decode_for_hit(
     first = dst.start - src.start
     if first < 0:
         raise BlockMismatchError(f"hit: source {src} starts before the prompt for target {dst}")
-    block = decode_block(
-        blob,
-        expect_key=hit.key.value,
-        expect_fingerprint=fingerprint.to_bytes(),
-        expect_tokens=prompt[first : dst.end].tolist(),
-        payload_xxh3=payload_xxh3,
-    )
+    expect = {
+        "expect_key": hit.key.value,
+        "expect_fingerprint": fingerprint.to_bytes(),
+        "expect_tokens": prompt[first : dst.end].tolist(),
+    }
+    if isinstance(blob, DeviceBlob):
+        block = decode_device_block(blob, **expect)
+    else:
+        block = decode_block(blob, payload_xxh3=payload_xxh3, **expect)
     header = block.header
     want = (fingerprint.num_layers, src.end, fingerprint.num_kv_heads, fingerprint.head_dim)
     if header.form != hit.form or header.dtype != fingerprint.dtype:
@@ -382,6 +402,9 @@ def _on(t: torch.Tensor, device: torch.device, staging: StagingRing | None) -> t
     # Blocks decode on the host; a GPU cache gets them with one transfer per tensor.
     if t.device == device:
         return t
+    if t.device.type == "cuda" and device.type == "cuda":
+        # A server's device pool on another GPU than the cache: one peer copy, no host.
+        return t.to(device, non_blocking=True)
     if staging is not None and device.type == "cuda":
         return staging.to_device(t, device)
     return t.to(device)

@@ -75,6 +75,7 @@ import grpc.aio
 import numpy as np
 
 from nopecache.client.config import ShmMode
+from nopecache.client.cuda_arena import FetchedBlob
 from nopecache.client.errors import InvalidArgumentError, TransportError
 from nopecache.client.transport import BlockSource, ServerConnection, ServerInfo
 from nopecache.client.zero_copy import ZeroCopySource
@@ -167,6 +168,9 @@ class ShmStats:
     leased_blocks: int = 0
     copied_bytes: int = 0  # by the copying paths on a zero-copy connection (not leased)
     copied_blocks: int = 0
+    # Connections whose server offered its pool over CUDA IPC and this process could not
+    # open it (no CUDA, another GPU, cudaIpcOpenMemHandle failed): copying paths instead.
+    cuda_ipc_fallbacks: int = 0
 
 
 class Segment:
@@ -501,7 +505,7 @@ class ShmSource:
     # -- blocks -----------------------------------------------------------------------
     async def __call__(
         self, keys: bytes, timeout: float
-    ) -> AsyncIterator[tuple[int, memoryview | None]]:
+    ) -> AsyncIterator[tuple[int, FetchedBlob | None]]:
         """Stream the blocks of ``keys`` (a BlockSource): through windows while attached and
         room comes free, the rest over gRPC."""
         deadline = time.monotonic() + timeout
@@ -529,10 +533,10 @@ class ShmSource:
             rest = keys[start * KEY_BYTES :]
             blocks = self._conn.data_blocks(rest, _remaining(deadline))
             try:
-                async for index, blob in blocks:
-                    if blob is not None:
-                        self._owner._count(False, blob.nbytes)
-                    yield start + index, blob
+                async for index, fetched in blocks:
+                    if fetched is not None:
+                        self._owner._count(False, fetched.nbytes)
+                    yield start + index, fetched
             finally:
                 await blocks.aclose()  # type: ignore[attr-defined]  # an async generator
 
@@ -647,11 +651,13 @@ class ShmFastPath:
         space_wait_s: float = 2.0,
         zero_copy: bool = True,
         cuda_register: bool | None = None,
+        cuda_ipc: bool | None = None,
     ) -> None:
         """A factory making one segment of ``segment_bytes`` per same-host server; with
         ``zero_copy`` blocks come straight from the server's pool mapped read-only where it
-        offers it (``zero_copy.py``; ``cuda_register``: page-locked for CUDA copies), the
-        segment serving the rest."""
+        offers it (``zero_copy.py``; ``cuda_register``: page-locked for CUDA copies;
+        ``cuda_ipc``: open a pool on a GPU over CUDA IPC, None = when torch sees a GPU),
+        the segment serving the rest."""
         if mode not in ("auto", "on", "off"):
             raise InvalidArgumentError("mode", f"must be 'auto', 'on' or 'off', got {mode!r}")
         if (
@@ -686,6 +692,7 @@ class ShmFastPath:
         self._lost = 0
         self.zero_copy = zero_copy
         self.cuda_register = cuda_register
+        self.cuda_ipc = cuda_ipc
         self._leased = [0, 0, 0, 0]  # leased bytes, blocks, copied bytes, blocks
         self.zero_copy_sources: list[ZeroCopySource] = []
 
@@ -703,6 +710,7 @@ class ShmFastPath:
             source,
             count=self._count_leased,
             cuda_register=self.cuda_register,
+            cuda_ipc=self.cuda_ipc,
             space_wait_s=self.space_wait_s,
         )
         self.zero_copy_sources.append(zero)
@@ -731,6 +739,7 @@ class ShmFastPath:
             leased_blocks=self._leased[1],
             copied_bytes=self._leased[2],
             copied_blocks=self._leased[3],
+            cuda_ipc_fallbacks=sum(z.cuda_ipc_fallbacks for z in self.zero_copy_sources),
         )
 
     async def close(self) -> None:

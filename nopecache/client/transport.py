@@ -58,6 +58,7 @@ import grpc.aio
 from nopecache.client.buffers import BufferPool
 from nopecache.client.config import ClientConfig
 from nopecache.client.cost import CostModel
+from nopecache.client.cuda_arena import FetchedBlob
 from nopecache.client.errors import InvalidArgumentError, TransportError
 from nopecache.client.health import ServerHealth
 from nopecache.client.metrics import ClientMetrics
@@ -192,7 +193,7 @@ class BlockSource(Protocol):
 
     def __call__(
         self, keys: bytes, timeout: float
-    ) -> AsyncIterator[tuple[int, memoryview | None]]: ...
+    ) -> AsyncIterator[tuple[int, FetchedBlob | None]]: ...
 
 
 @runtime_checkable
@@ -402,7 +403,7 @@ class ServerConnection:
         self._succeeded()
         return bytes(out)
 
-    async def get(self, keys: bytes) -> AsyncIterator[tuple[int, memoryview | None]]:
+    async def get(self, keys: bytes) -> AsyncIterator[tuple[int, FetchedBlob | None]]:
         """Yield ``(index, blob)`` for every packed key in order; None for a miss.
 
         A failure mid-stream yields None for every key not received yet (a block half
@@ -415,7 +416,7 @@ class ServerConnection:
             assert self._source is not None
             received = 0  # bytes of blocks yielded, for the cost model
             start = time.perf_counter()
-            iterators: list[AsyncIterator[tuple[int, memoryview | None]]] = []
+            iterators: list[AsyncIterator[tuple[int, FetchedBlob | None]]] = []
             try:
                 for batch in _batches(n, info.limits.max_keys_per_request):
                     it = self._source(

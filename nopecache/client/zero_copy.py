@@ -29,7 +29,12 @@ make the connection use the fallback from then on; a server that no longer knows
 pool (restarted) is opened again on a later call.
 
 CUDA: with ``cuda_register`` the mapping is registered as page-locked memory
-(``cudaHostRegister``, read-only), so a copy from it to a GPU is one DMA.
+(``cudaHostRegister``, read-only), so a copy from it to a GPU is one DMA. A server whose
+pool is on a GPU (``cuda://``) offers it over CUDA IPC instead (``cuda_arena.py``): the
+same handshake hands over the pool's IPC handle, leased blocks are yielded as
+:class:`DeviceBlob` views of the device pool and placed device to device. A process that
+cannot open it (``cuda_ipc`` off, no CUDA, another GPU) logs why once, counts it
+(``cuda_ipc_fallbacks``) and takes the copying paths: never an error to the engine.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import math
 import mmap
 import os
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -53,19 +57,26 @@ import grpc.aio
 import numpy as np
 
 from nopecache.client import pinned
+from nopecache.client.cuda_arena import CudaArena, DeviceBlob, FetchedBlob, cuda_ipc_possible
 from nopecache.client.errors import ArenaRefusedError, TransportError
 from nopecache.client.transport import BlockSource, ServerConnection
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto.arena_layout import (
+    CUDA_IPC_LENGTH,
+    CUDA_IPC_NOT_ACCEPTED,
+    HANDOFF_CUDA_IPC,
     HANDOFF_OK,
     HANDOFF_TIMEOUT_S,
     LEASE_ID_BYTES,
+    MAX_CUDA_IPC_BYTES,
     MAX_ERROR_BYTES,
+    ArenaKind,
+    CudaIpcHandle,
     unpack_runs,
 )
 from nopecache.proto.contract import KEY_BYTES, method_path
 
-__all__ = ["Arena", "ZeroCopySource", "lapsed", "receive_arena_fd"]
+__all__ = ["Arena", "ZeroCopySource", "lapsed", "receive_arena", "receive_arena_fd"]
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +94,30 @@ _CUDA_REGISTER_FLAGS = 0x01 | 0x08
 
 def receive_arena_fd(socket_name: str, nonce: bytes, timeout: float = HANDOFF_TIMEOUT_S) -> int:
     """Redeem ``nonce`` at the server's abstract Unix socket: the pool's read-only
-    descriptor. Raises ArenaRefusedError with the server's reason, OSError when the socket
-    cannot be reached."""
+    descriptor. Raises ArenaRefusedError with the server's reason (or when the server
+    answers with a CUDA IPC handle), OSError when the socket cannot be reached."""
+    got = receive_arena(socket_name, nonce, timeout)
+    if isinstance(got, CudaIpcHandle):
+        raise ArenaRefusedError("the server answered with a CUDA IPC handle, not a descriptor")
+    return got
+
+
+def _recv_exactly(sock: socket.socket, data: bytes, n: int) -> bytes:
+    while len(data) < n:
+        more = sock.recv(n - len(data))
+        if not more:
+            raise ArenaRefusedError("the server closed the socket in the middle of the handle")
+        data += more
+    return data
+
+
+def receive_arena(
+    socket_name: str, nonce: bytes, timeout: float = HANDOFF_TIMEOUT_S
+) -> int | CudaIpcHandle:
+    """Redeem ``nonce`` at the server's abstract Unix socket: the pool's read-only
+    descriptor (a host pool) or its CUDA IPC handle (a pool on a GPU). Raises
+    ArenaRefusedError with the server's reason, OSError when the socket cannot be
+    reached."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
         sock.connect("\0" + socket_name)
@@ -94,6 +127,16 @@ def receive_arena_fd(socket_name: str, nonce: bytes, timeout: float = HANDOFF_TI
             return fds[0]
         for fd in fds:
             os.close(fd)
+        if msg[:1] == HANDOFF_CUDA_IPC and not fds:
+            head = _recv_exactly(sock, msg, 1 + CUDA_IPC_LENGTH.size)
+            (length,) = CUDA_IPC_LENGTH.unpack_from(head, 1)
+            if length > MAX_CUDA_IPC_BYTES:
+                raise ArenaRefusedError(f"CUDA IPC handle: {length} bytes, over the limit")
+            body = _recv_exactly(sock, head, 1 + CUDA_IPC_LENGTH.size + length)
+            try:
+                return CudaIpcHandle.unpack(body[1 + CUDA_IPC_LENGTH.size :])
+            except ValueError as e:
+                raise ArenaRefusedError(str(e)) from e
         rest = msg[1:]
         with contextlib.suppress(OSError):
             while len(rest) < MAX_ERROR_BYTES and (more := sock.recv(MAX_ERROR_BYTES)):
@@ -110,17 +153,13 @@ class _LeasedBytes(np.ndarray):
     lease_deadline: float = math.inf
 
 
-def lapsed(blob: memoryview) -> bool:
+def lapsed(blob: FetchedBlob) -> bool:
     """Whether ``blob`` is a leased view whose lease may have ended: what was placed from
     it must not be trusted (placement marks the hit failed; the engine recomputes it)."""
+    if isinstance(blob, DeviceBlob):
+        return time.monotonic() >= blob.lease_deadline
     obj = blob.obj
     return isinstance(obj, _LeasedBytes) and time.monotonic() >= obj.lease_deadline
-
-
-def _cuda_present() -> bool:
-    """Whether torch is loaded and sees a GPU (never imports torch for it)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.cuda.is_available())
 
 
 class Arena:
@@ -179,16 +218,20 @@ class ZeroCopySource:
         *,
         count: Callable[[bool, int], None] = lambda leased, nbytes: None,
         cuda_register: bool | None = None,
+        cuda_ipc: bool | None = None,
         space_wait_s: float = 2.0,
     ) -> None:
         """A source for ``conn``; ``count(leased, nbytes)`` hears every block yielded;
         ``cuda_register`` page-locks the mapping for CUDA (None: when torch sees a GPU);
+        ``cuda_ipc`` opens a pool on a GPU over CUDA IPC (None: when torch sees a GPU);
         past the server's share, wait up to ``space_wait_s`` for our leases to end."""
         self._conn = conn
         self._fallback = fallback
         self._count = count
         self._cuda_register = cuda_register
-        self.arena: Arena | None = None
+        self._cuda_ipc = cuda_ipc
+        self.cuda_ipc_fallbacks = 0  # offers of a GPU pool this process could not open
+        self.arena: Arena | CudaArena | None = None
         self._refused = False
         self._closed = False
         self._last_open = -math.inf
@@ -223,7 +266,7 @@ class ZeroCopySource:
         )
 
     # -- the mapping --------------------------------------------------------------------
-    async def _ready(self) -> Arena | None:
+    async def _ready(self) -> Arena | CudaArena | None:
         if self.arena is not None or self._refused or self._closed:
             return self.arena
         if time.monotonic() - self._last_open < _REOPEN_INTERVAL_S:
@@ -239,13 +282,25 @@ class ZeroCopySource:
         self._refused = True
         log.info("nopecache %s: no zero copy (%s); copying paths", self._conn.address, why)
 
+    def _cuda_fallback(self, why: str) -> None:
+        """The server's pool is on a GPU and this process cannot open it: copying paths."""
+        self._refused = True
+        self.cuda_ipc_fallbacks += 1
+        log.warning(
+            "nopecache %s: the server's pool is on a GPU and this process cannot open it over "
+            "CUDA IPC (%s); fetching through the copying paths",
+            self._conn.address,
+            why,
+        )
+
     async def _open(self) -> None:
         self._last_open = time.monotonic()
         self._loop = asyncio.get_running_loop()
         call = self._call("OpenArena", pb.OpenArenaRequest, pb.OpenArenaReply)
+        accept_cuda_ipc = cuda_ipc_possible() if self._cuda_ipc is None else self._cuda_ipc
         try:
             reply: pb.OpenArenaReply = await call(
-                pb.OpenArenaRequest(pid=os.getpid()),
+                pb.OpenArenaRequest(pid=os.getpid(), accept_cuda_ipc=accept_cuda_ipc),
                 timeout=self._conn.config.control_timeout_s,
                 metadata=self._conn.metadata,
             )
@@ -254,14 +309,33 @@ class ZeroCopySource:
                 raise
             self._refuse(f"OpenArena failed: {e.code().name} {e.details()}")
             return
+        cuda = reply.kind == ArenaKind.CUDA_IPC
         if reply.refused or not reply.nonce:
-            self._refuse(f"the server offers no pool: {reply.refused}")
+            if cuda and reply.refused == CUDA_IPC_NOT_ACCEPTED:
+                self._cuda_fallback(reply.refused)
+            else:
+                self._refuse(f"the server offers no pool: {reply.refused}")
             return
         try:
-            fd = await asyncio.to_thread(receive_arena_fd, reply.socket, reply.nonce)
+            got = await asyncio.to_thread(receive_arena, reply.socket, reply.nonce)
         except (ArenaRefusedError, OSError) as e:
-            self._refuse(f"no descriptor of the pool: {e}")
+            self._refuse(f"no {'handle' if cuda else 'descriptor'} of the pool: {e}")
             return
+        if isinstance(got, CudaIpcHandle) or cuda:
+            if not isinstance(got, CudaIpcHandle) or not cuda:
+                if isinstance(got, int):
+                    os.close(got)
+                self._refuse(f"OpenArenaReply.kind {reply.kind} and the socket's answer disagree")
+                return
+            try:
+                # Opening maps the pool into this process's GPU address space: off the loop.
+                self.arena = await asyncio.to_thread(
+                    CudaArena, got, reply.cuda_device_uuid, reply.size, reply.arena
+                )
+            except ArenaRefusedError as e:
+                self._cuda_fallback(str(e))
+            return
+        fd = got
         try:
             arena = Arena(fd, reply.size, reply.arena)
         except (ArenaRefusedError, OSError, ValueError) as e:
@@ -269,14 +343,14 @@ class ZeroCopySource:
             return
         finally:
             os.close(fd)
-        if self._cuda_register or (self._cuda_register is None and _cuda_present()):
+        if self._cuda_register or (self._cuda_register is None and cuda_ipc_possible()):
             arena.register_cuda()
         self.arena = arena
 
     # -- blocks -------------------------------------------------------------------------
     async def __call__(
         self, keys: bytes, timeout: float
-    ) -> AsyncIterator[tuple[int, memoryview | None]]:
+    ) -> AsyncIterator[tuple[int, FetchedBlob | None]]:
         """Stream the blocks of ``keys`` in order: leased views, the rest by the fallback.
 
         Leases come in rounds: the server leases keys in order until its share is held;
@@ -324,7 +398,7 @@ class ZeroCopySource:
                 yield item
 
     async def _lease(
-        self, arena: Arena, keys: bytes, deadline: float
+        self, arena: Arena | CudaArena, keys: bytes, deadline: float
     ) -> tuple[list[bytes], list[list[tuple[int, int]]], float] | None:
         """One LeaseGet: each tried key's lease id (b"": not leased), runs, and the time
         (local clock) until which the leases may be read from; None: use the fallback."""
@@ -351,7 +425,7 @@ class ZeroCopySource:
         return leased, runs, sent + ttl - min(_MARGIN_S, ttl / 4)
 
     def _check(
-        self, reply: pb.LeaseGetReply, n: int, arena: Arena
+        self, reply: pb.LeaseGetReply, n: int, arena: Arena | CudaArena
     ) -> tuple[list[bytes], list[list[tuple[int, int]]]]:
         tried = reply.tried
         if tried > n or len(reply.tiers) != tried:
@@ -383,10 +457,15 @@ class ZeroCopySource:
         return leased, runs
 
     def _view(
-        self, arena: Arena, lid: bytes, runs: list[tuple[int, int]], deadline: float
-    ) -> memoryview:
+        self, arena: Arena | CudaArena, lid: bytes, runs: list[tuple[int, int]], deadline: float
+    ) -> FetchedBlob:
         """A read-only view of a leased block, holding its lease while it lives; it can be
-        read from until ``deadline`` (``lapsed``)."""
+        read from until ``deadline`` (``lapsed``). On a GPU pool every block, of one run or
+        several, is a DeviceBlob of views (joined where it is placed, on its stream)."""
+        if isinstance(arena, CudaArena):
+            blob = DeviceBlob(arena.runs(runs), deadline)
+            weakref.finalize(blob, self._queue, lid)
+            return blob
         if len(runs) > 1:  # pages in several places: gathered (one copy more), released
             out = self._conn.pool.take(sum(length for _, length in runs))
             at = 0
@@ -403,7 +482,7 @@ class ZeroCopySource:
 
     async def _through_fallback(
         self, keys: bytes, start: int, end: int, deadline: float
-    ) -> AsyncIterator[tuple[int, memoryview | None]]:
+    ) -> AsyncIterator[tuple[int, FetchedBlob | None]]:
         it = self._fallback(
             keys[start * KEY_BYTES : end * KEY_BYTES], max(0.001, deadline - time.monotonic())
         )
@@ -480,7 +559,7 @@ class ZeroCopySource:
             self._schedule_flush()
             await self.settle()
 
-    def _drop(self, arena: Arena) -> None:
+    def _drop(self, arena: Arena | CudaArena) -> None:
         if self.arena is arena:
             self.arena = None
         arena.close()

@@ -374,10 +374,8 @@ def payload_offset(header_len: int) -> int:
 
 
 def payload_start(prefix: BytesLike, nbytes: int) -> int | None:
-    """Where the stored payload of an ``nbytes`` blob starting with ``prefix`` (its first
-    ``PREFIX.size`` bytes) begins; None when those bytes are not a block prefix that fits
-    (``parse`` then says what is wrong). A receiver uses it to hash the payload as it
-    arrives (``decode_block(payload_xxh3=...)``)."""
+    """Where the payload of an ``nbytes`` blob starting with ``prefix`` begins, for a
+    receiver hashing it as it lands; None for bytes that are no fitting block prefix."""
     if len(prefix) < PREFIX.size:
         return None
     magic, header_len, _ = PREFIX.unpack_from(prefix, 0)
@@ -443,29 +441,54 @@ def parse(blob: BytesLike) -> tuple[BlockHeader, memoryview]:
     mv = memoryview(blob)
     if mv.ndim != 1 or mv.format != "B":
         mv = mv.cast("B")
-    if mv.nbytes < PREFIX.size:
-        raise BlockSizeError(f"blob: {mv.nbytes} bytes, shorter than the {PREFIX.size}-byte prefix")
-    magic, header_len, header_sum = PREFIX.unpack_from(mv, 0)
+    header, start = parse_head(mv, mv.nbytes)
+    return header, mv[start:]
+
+
+def head_nbytes(prefix: BytesLike, total_nbytes: int) -> int:
+    """How many bytes from the start of a blob of ``total_nbytes`` its header takes (the
+    payload offset), read from the blob's first ``PREFIX.size`` bytes or more."""
+    mv = memoryview(prefix)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    if total_nbytes < PREFIX.size or mv.nbytes < PREFIX.size:
+        got = min(total_nbytes, mv.nbytes)
+        raise BlockSizeError(f"blob: {got} bytes, shorter than the {PREFIX.size}-byte prefix")
+    magic, header_len, _ = PREFIX.unpack_from(mv, 0)
     if magic != MAGIC:
         raise BlockHeaderError(f"magic: expected {MAGIC!r}, got {bytes(magic)!r}")
     if header_len > MAX_HEADER_BYTES:
         raise BlockHeaderError(f"header_len: {header_len} exceeds {MAX_HEADER_BYTES}")
     start = payload_offset(header_len)
-    if start > mv.nbytes:
+    if start > total_nbytes:
         raise BlockSizeError(
-            f"header_len: {header_len} needs a blob of at least {start} bytes, got {mv.nbytes}"
+            f"header_len: {header_len} needs a blob of at least {start} bytes, got {total_nbytes}"
         )
+    return start
+
+
+def parse_head(head: BytesLike, total_nbytes: int) -> tuple[BlockHeader, int]:
+    """``parse`` of a blob of ``total_nbytes`` given its first bytes only (at least
+    ``head_nbytes``: the payload may lie where the caller cannot hash it, a GPU): the
+    validated header and the payload offset."""
+    mv = memoryview(head)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    start = head_nbytes(mv, total_nbytes)
+    if mv.nbytes < start:
+        raise BlockSizeError(f"head: {mv.nbytes} bytes given, the header takes {start}")
+    _, header_len, header_sum = PREFIX.unpack_from(mv, 0)
     raw = mv[PREFIX.size : PREFIX.size + header_len]
     if xxhash.xxh3_64_intdigest(raw) != header_sum:
         raise BlockChecksumError("header_checksum: header bytes do not match their xxh3-64")
     if any(mv[PREFIX.size + header_len : start]):
         raise BlockHeaderError("padding: bytes between header and payload must be zero")
     header, stored = _decode_header(raw)
-    if mv.nbytes - start != stored:
+    if total_nbytes - start != stored:
         raise BlockSizeError(
-            f"payload: blob holds {mv.nbytes - start} payload bytes, header says {stored}"
+            f"payload: blob holds {total_nbytes - start} payload bytes, header says {stored}"
         )
-    return header, mv[start:]
+    return header, start
 
 
 def _checked_payload(
@@ -713,6 +736,28 @@ def _first_difference(got: tuple[int, ...], want: tuple[int, ...]) -> str:
     return f"first difference at index {i}: block holds {got[i]}, expected {want[i]}"
 
 
+def check_expected(
+    header: BlockHeader,
+    expect_key: bytes | None = None,
+    expect_fingerprint: bytes | None = None,
+    expect_tokens: Sequence[int] | None = None,
+) -> None:
+    """Raise BlockMismatchError unless an intact block's header is the expected one."""
+    if expect_key is not None and header.key != expect_key:
+        raise BlockMismatchError(
+            f"key: block holds {header.key.hex()}, expected {expect_key.hex()}"
+        )
+    if expect_fingerprint is not None and header.fingerprint != expect_fingerprint:
+        raise BlockMismatchError(
+            f"fingerprint: block holds {header.fingerprint.hex():.64}, "
+            f"expected {expect_fingerprint.hex():.64}"
+        )
+    if expect_tokens is not None:
+        want = tuple(expect_tokens)
+        if header.token_ids != want:
+            raise BlockMismatchError(f"token_ids: {_first_difference(header.token_ids, want)}")
+
+
 def decode_block(
     blob: BytesLike,
     *,
@@ -723,10 +768,8 @@ def decode_block(
 ) -> DecodedBlock:
     """Verify a blob against what the caller expects and return K/V tensors viewing it.
 
-    ``payload_xxh3``: the xxh3-64 of the blob's stored payload (the bytes from
-    ``payload_start``), taken where the blob was received as its bytes arrived and
-    before anything else could write them: an uncompressed payload's checksum is then
-    checked against it without a second pass over the payload (None: hashed here).
+    ``payload_xxh3``: the stored payload's xxh3-64 taken by the receiver as it arrived:
+    an uncompressed payload is then not read again (None: hashed here).
 
     Raises BlockMismatchError when an intact block is not the expected one (a key
     collision or a mix-up), and the other BlockError types when it is corrupt: a block
@@ -741,19 +784,7 @@ def decode_block(
     import torch
 
     header, stored = parse(blob)
-    if expect_key is not None and header.key != expect_key:
-        raise BlockMismatchError(
-            f"key: block holds {header.key.hex()}, expected {expect_key.hex()}"
-        )
-    if expect_fingerprint is not None and header.fingerprint != expect_fingerprint:
-        raise BlockMismatchError(
-            f"fingerprint: block holds {header.fingerprint.hex():.64}, "
-            f"expected {expect_fingerprint.hex():.64}"
-        )
-    if expect_tokens is not None:
-        want = tuple(expect_tokens)
-        if header.token_ids != want:
-            raise BlockMismatchError(f"token_ids: {_first_difference(header.token_ids, want)}")
+    check_expected(header, expect_key, expect_fingerprint, expect_tokens)
     payload = _checked_payload(header, stored, payload_xxh3)
     dtype = getattr(torch, header.dtype)
     itemsize = DTYPE_ITEMSIZE[header.dtype]

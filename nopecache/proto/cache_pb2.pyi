@@ -97,6 +97,30 @@ PUT_OUTCOME_REJECTED: PutOutcome.ValueType  # 3
 """The block was refused; see `code` and `reason`. Nothing stored changed."""
 Global___PutOutcome: _TypeAlias = PutOutcome  # noqa: Y015
 
+class _ArenaKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ArenaKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ArenaKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ARENA_KIND_HOST_MEMFD: _ArenaKind.ValueType  # 0
+    """A read-only descriptor of the host tier's sealed memfd, mapped PROT_READ."""
+    ARENA_KIND_CUDA_IPC: _ArenaKind.ValueType  # 1
+    """The cuda:// tier's pool: its CUDA IPC handle, opened with cudaIpcOpenMemHandle on
+    the same GPU. LeaseGet runs are byte offsets in that device pool.
+    """
+
+class ArenaKind(_ArenaKind, metaclass=_ArenaKindEnumTypeWrapper):
+    """What an OpenArena offer hands over on the Unix socket (OpenArenaReply.kind)."""
+
+ARENA_KIND_HOST_MEMFD: ArenaKind.ValueType  # 0
+"""A read-only descriptor of the host tier's sealed memfd, mapped PROT_READ."""
+ARENA_KIND_CUDA_IPC: ArenaKind.ValueType  # 1
+"""The cuda:// tier's pool: its CUDA IPC handle, opened with cudaIpcOpenMemHandle on
+the same GPU. LeaseGet runs are byte offsets in that device pool.
+"""
+Global___ArenaKind: _TypeAlias = ArenaKind  # noqa: Y015
+
 @_typing.final
 class LookupRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -1203,22 +1227,30 @@ class OpenArenaRequest(_message.Message):
     sends the 16-byte nonce and receives, with SCM_RIGHTS, a read-only descriptor of the
     pool, which it maps whole. The server checks the nonce (once, within nonce_ttl_ms) and
     that the connecting process is `pid` (SO_PEERCRED). Any other outcome is a one-line
-    error message on the socket instead of the descriptor.
+    error message on the socket instead of the descriptor. A cuda:// pool is offered the
+    same way to a client that accepts CUDA IPC (OpenArenaReply.kind): the socket then
+    answers with the pool's CUDA IPC handle instead of a descriptor.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     PID_FIELD_NUMBER: _builtins.int
+    ACCEPT_CUDA_IPC_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """The process that will connect to the socket."""
+    accept_cuda_ipc: _builtins.bool
+    """The client can open a pool in CUDA memory over CUDA IPC (ARENA_KIND_CUDA_IPC). A
+    server whose pool is on a GPU refuses a client that cannot (it takes the copying paths).
+    """
     def __init__(
         self,
         *,
         pid: _builtins.int = ...,
+        accept_cuda_ipc: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_cuda_ipc", b"accept_cuda_ipc", "pid", b"pid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1234,6 +1266,8 @@ class OpenArenaReply(_message.Message):
     ARENA_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     REFUSED_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    CUDA_DEVICE_UUID_FIELD_NUMBER: _builtins.int
     nonce: _builtins.bytes
     socket: _builtins.str
     """The abstract Unix socket name (without the leading NUL byte)."""
@@ -1243,6 +1277,14 @@ class OpenArenaReply(_message.Message):
     size: _builtins.int
     refused: _builtins.str
     """Why there is no zero-copy path (empty when there is)."""
+    kind: Global___ArenaKind.ValueType
+    """What the socket hands over for the nonce: a memfd descriptor (SCM_RIGHTS) or the
+    pool's CUDA IPC handle (bytes, never over gRPC; proto/arena_layout.py).
+    """
+    cuda_device_uuid: _builtins.str
+    """ARENA_KIND_CUDA_IPC: the UUID of the GPU holding the pool ("GPU-..."), so that a
+    client finds it whatever its device numbering (CUDA_VISIBLE_DEVICES).
+    """
     def __init__(
         self,
         *,
@@ -1252,10 +1294,12 @@ class OpenArenaReply(_message.Message):
         arena: _builtins.bytes = ...,
         size: _builtins.int = ...,
         refused: _builtins.str = ...,
+        kind: Global___ArenaKind.ValueType = ...,
+        cuda_device_uuid: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "nonce", b"nonce", "nonce_ttl_ms", b"nonce_ttl_ms", "refused", b"refused", "size", b"size", "socket", b"socket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "cuda_device_uuid", b"cuda_device_uuid", "kind", b"kind", "nonce", b"nonce", "nonce_ttl_ms", b"nonce_ttl_ms", "refused", b"refused", "size", b"size", "socket", b"socket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

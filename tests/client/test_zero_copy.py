@@ -32,7 +32,7 @@ from nopecache.client.cost import CostConfig
 from nopecache.client.errors import ArenaRefusedError
 from nopecache.client.shm import ShmFastPath
 from nopecache.client.transport import ServerConnection
-from nopecache.client.zero_copy import lapsed, receive_arena_fd
+from nopecache.client.zero_copy import Arena, lapsed, receive_arena_fd
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import validate
@@ -66,7 +66,11 @@ def connection(address: str, fast: ShmFastPath, token: str | None = None) -> Ser
 
 async def blobs(conn: ServerConnection, keys: Sequence[bytes]) -> list[memoryview | None]:
     """Every block of ``keys``, views kept (so their leases are held until dropped)."""
-    return [blob async for _, blob in conn.get(b"".join(keys))]
+    out: list[memoryview | None] = []
+    async for _, blob in conn.get(b"".join(keys)):
+        assert blob is None or isinstance(blob, memoryview)  # a host pool
+        out.append(blob)
+    return out
 
 
 @pytest_asyncio.fixture
@@ -421,7 +425,7 @@ def test_on_cuda_blocks_go_from_the_mapping_to_the_gpu_in_one_dma(server: CacheS
             assert result.failed == () and result.placed_tokens == BIG_TOKENS
             if fast_path is not None:
                 arena = fast.zero_copy_sources[0].arena
-                assert arena is not None and arena.cuda_registered
+                assert isinstance(arena, Arena) and arena.cuda_registered
                 assert c.core._placer.staging.direct_copies == 2 * 12  # K and V per block
         caches.append(k_caches + v_caches)
     for a, b in zip(*caches, strict=True):

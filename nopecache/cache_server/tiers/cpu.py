@@ -68,6 +68,7 @@ from nopecache.cache_server.tiers.base import (
     TierStats,
     query_options,
 )
+from nopecache.proto.arena_layout import CudaIpcHandle
 
 __all__ = [
     "DEFAULT_PAGE_BYTES",
@@ -247,6 +248,9 @@ class PagedTier(Tier):
     """
 
     lease_share: float = 0.5
+    # The UUID of the GPU whose memory holds the pool ("GPU-..."); None: host memory.
+    # A pool on a GPU is offered to same-host clients over CUDA IPC (cuda_ipc_handle).
+    cuda_device_uuid: str | None = None
 
     def __init__(self, capacity_bytes: int, page_bytes: int, url: str) -> None:
         if page_bytes < 1:
@@ -377,11 +381,13 @@ class PagedTier(Tier):
         self._write(table.allocate(key, len(src)), src)
         return PutResult(PutStatus.STORED, tuple(evicted))
 
-    def lease(self, key: bytes) -> TierLease | None:
+    def lease(self, key: bytes, *, host_views: bool = True) -> TierLease | None:
         """Views of ``key``'s bytes in the pool, held from reuse until the lease ends
         (refreshing recency); None on a miss, for a tier whose pages are not host memory
         the caller may read, or when leased pages would pass ``lease_share`` of the pool
-        (the caller copies then, with ``get_into``)."""
+        (the caller copies then, with ``get_into``). ``host_views=False``: the pages only
+        (no views, ``TierLease.views`` empty), for a reader that addresses the pool by
+        offset itself (a device pool opened over CUDA IPC)."""
         self._check_open()
         table = self._table
         placement = table.index.get(key)
@@ -390,7 +396,7 @@ class PagedTier(Tier):
         pages = 0 if table.leased(placement) else table.pages_for(placement.size)
         if table.leased_pages + pages > self.lease_share * table.n_pages:
             return None
-        views = self._views(placement)
+        views = self._views(placement) if host_views else []
         if views is None:
             return None
         table.index.move_to_end(key)
@@ -400,6 +406,10 @@ class PagedTier(Tier):
     def _views(self, placement: Placement) -> list[memoryview] | None:
         """Read-only views of a block's runs, in order (None: not host memory)."""
         return None
+
+    def cuda_ipc_handle(self) -> CudaIpcHandle:
+        """The CUDA IPC handle of a pool on a GPU (``cuda_device_uuid`` is set)."""
+        raise NotImplementedError(f"{self._url}: the pool is not in CUDA memory")
 
     async def delete(self, key: bytes) -> bool:
         """Remove ``key`` and free its pages."""

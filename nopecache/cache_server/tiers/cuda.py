@@ -11,7 +11,11 @@ loop::
     put:  blob (caller's buffer) --memcpy--> staging --DMA, run by run--> device pages
     get:  device pages --DMA, run by run--> staging --one memcpy--> bytes (returned)
 
-A block larger than the staging buffer goes through it in pieces. There is no gathered
+A block larger than the staging buffer goes through it in pieces.
+
+Same-host engines read the pool itself over CUDA IPC (``cuda_ipc_handle``, offered by
+``cache_server/zero_copy.py``): a read lease (``lease(key, host_views=False)``) keeps a
+block's pages from reuse while a client copies from them device to device. There is no gathered
 temporary on the device (the runs land at their offsets in the staging buffer), and no
 pageable copy (the DMA engine reads and writes pinned memory directly).
 
@@ -48,7 +52,9 @@ from nopecache.cache_server.tiers.base import (
     TierName,
     query_options,
 )
-from nopecache.cache_server.tiers.cpu import DEFAULT_PAGE_BYTES, PagedTier, Placement
+from nopecache.cache_server.tiers.cpu import DEFAULT_PAGE_BYTES, PagedTier, Placement, TierLease
+from nopecache.cache_server.tiers.cuda_ipc import share_pool
+from nopecache.proto.arena_layout import CudaIpcHandle, cuda_device_uuid
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +140,10 @@ class CudaTier(PagedTier):
             1, thread_name_prefix=f"nopecache-cuda{device}"
         )
         self._lock = asyncio.Lock()
+        # The block whose pages the copy thread is writing now (put): not leased until
+        # written, as its key is in the index from the allocation on.
+        self._writing: Placement | None = None
+        self.cuda_device_uuid = cuda_device_uuid(self.device)
 
     @classmethod
     def from_url(cls, url: str) -> CudaTier:
@@ -201,6 +211,10 @@ class CudaTier(PagedTier):
             need = table.pages_for(len(src))
             if need > table.n_pages:
                 return PutResult(PutStatus.TOO_LARGE)
+            if need > table.n_pages - table.leased_pages:
+                # Pages leased to CUDA IPC readers come back when their reads end; nothing
+                # is evicted for it (as in PagedTier.put).
+                return PutResult(PutStatus.UNAVAILABLE)
             old: list[tuple[bytes, Placement]] = []
             while table.free_pages < need:
                 old_key, placement = table.pop_lru()
@@ -210,14 +224,32 @@ class CudaTier(PagedTier):
             # Evicted blocks are read out before the new one overwrites their pages (the
             # copy thread runs the two in this order; no other copy runs meanwhile).
             reads = [p for _, p in old] if keep_evicted else []
-            evicted = await self._on_copier(
-                functools.partial(self._evict_and_write, reads, placement, src)
-            )
+            self._writing = placement
+            try:
+                evicted = await self._on_copier(
+                    functools.partial(self._evict_and_write, reads, placement, src)
+                )
+            finally:
+                self._writing = None
             blobs = iter(evicted)
             return PutResult(
                 PutStatus.STORED,
                 tuple(Evicted(k, next(blobs) if keep_evicted else None) for k, _ in old),
             )
+
+    def lease(self, key: bytes, *, host_views: bool = True) -> TierLease | None:
+        """A lease of ``key``'s device pages (``host_views=False``: there are no host
+        views of device memory); None while its pages are still being written."""
+        placement = self._table.index.get(key)
+        if placement is not None and placement is self._writing:
+            return None
+        return super().lease(key, host_views=host_views)
+
+    def cuda_ipc_handle(self) -> CudaIpcHandle:
+        """The pool's CUDA IPC handle for one more process: made per handoff, as torch
+        counts every process it is handed to (each one's close counts it back down)."""
+        self._check_open()
+        return share_pool(self._pool_tensor())
 
     # ------------------------------------------------------------------ copy thread
 
