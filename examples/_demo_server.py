@@ -41,21 +41,25 @@ def embedded_server(workdir: Path, tier: str = SERVER_TIER) -> Iterator[tuple[st
     cmd = [sys.executable, "-m", "nopecache.cache_server", "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--tier", tier, "--no-write-through", "--no-metrics"]
     cmd += ["--shutdown-grace-s", "1", "--log-level", "INFO"]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    proc: subprocess.Popen[bytes] | None = None
     try:
+        # A signal inside Popen, after the fork, would lose the child's pid and leave the
+        # server running: it is held until proc is set, then raised here.
+        with log_path.open("wb") as log, stopping():
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         port = _wait_listening(proc, log_path)
         yield f"127.0.0.1:{port}", proc.pid
     finally:
-        with stopping():
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            print(f"server stopped (pid {proc.pid}, exit status {proc.returncode})", flush=True)
+        if proc is not None:
+            with stopping():
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=STOP_GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                print(f"server stopped (pid {proc.pid}, exit status {proc.returncode})", flush=True)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], log_path: Path) -> int:

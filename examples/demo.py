@@ -67,7 +67,8 @@ def run_engine(job: EngineJob) -> EngineReport:
     proc = ctx.Process(target=engine_main, args=(job, send), name=f"engine-{job.role}", daemon=True)
     report = None
     try:
-        proc.start()
+        with stopping():  # a signal inside start() would lose the child's pid: held until set
+            proc.start()
         send.close()  # only the child writes; EOF then means the child is gone
         report = _receive(receive, proc.sentinel)
         proc.join(timeout=_ENGINE_EXIT_S)
