@@ -19,6 +19,7 @@ import pytest
 
 from tests.support.demo_output import (
     STOP_BOUND_S,
+    alive,
     answer_after,
     interrupt_after,
     session_left,
@@ -34,15 +35,6 @@ DEMO = ROOT / "examples" / "demo.py"
 # The system prompt (294 tokens) and the assistant header (4) are engine 1's messages
 # that come back in engine 2's prompt; the report before them is new.
 SYSTEM_AND_HEADER_TOKENS = 294 + 4
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie counts as gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
 
 
 def test_demo_quick_runs_end_to_end_and_stops_everything() -> None:
@@ -80,7 +72,7 @@ def test_demo_quick_runs_end_to_end_and_stops_everything() -> None:
     server_pid = int(found["server_pid"])
     assert f"server stopped (pid {server_pid}, exit status 0)" in out
     pids = [server_pid, *(int(p) for p in found["engine_pids"].split(","))]
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if alive(pid)] == []
     assert session_left(proc.pid) == []
 
 
@@ -126,7 +118,7 @@ def _interrupted_run(marker: str, sig: int, group: bool) -> None:
     for pid in servers:
         assert f"server stopped (pid {pid}" in stop.stdout
     engines = [int(p) for p in re.findall(r"\[engine \d\] pid (\d+)", stop.stdout)]
-    assert [pid for pid in servers + engines if _alive(pid)] == []
+    assert [pid for pid in servers + engines if alive(pid)] == []
     assert session_left(proc.pid) == []
 
 

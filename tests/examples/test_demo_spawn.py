@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.support import proc_groups
+from tests.support.demo_output import alive
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -31,14 +32,6 @@ def _demo_server() -> ModuleType:
     sys.modules.setdefault("_demo_server", module)
     spec.loader.exec_module(module)
     return module
-
-
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
 
 
 def test_a_signal_inside_the_servers_spawn_still_stops_it(
@@ -65,7 +58,7 @@ def test_a_signal_inside_the_servers_spawn_still_stops_it(
         assert len(spawned) == 1
         # Stopped (SIGTERM, waited for and reaped) before the interrupt left the demo.
         assert spawned[0].returncode is not None
-        assert not _alive(spawned[0].pid)
+        assert not alive(spawned[0].pid)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

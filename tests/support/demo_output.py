@@ -16,6 +16,7 @@ from tests.support.proc_groups import STOP_GRACE_S
 __all__ = [
     "STOP_BOUND_S",
     "Interrupted",
+    "alive",
     "answer_after",
     "interrupt_after",
     "session_left",
@@ -123,3 +124,12 @@ def _session(sid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[3]) == sid:
             pids.append(int(entry.name))
     return pids
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
