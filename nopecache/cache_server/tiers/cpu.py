@@ -51,7 +51,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlsplit
 
 from nopecache.cache_server.sizes import SizeError, parse_size
@@ -68,7 +68,9 @@ from nopecache.cache_server.tiers.base import (
     TierStats,
     query_options,
 )
-from nopecache.proto.arena_layout import CudaIpcHandle
+
+if TYPE_CHECKING:  # a host pool never needs it, and it pulls in protobuf (the pool's RSS test)
+    from nopecache.proto.arena_layout import CudaIpcHandle
 
 __all__ = [
     "DEFAULT_PAGE_BYTES",
