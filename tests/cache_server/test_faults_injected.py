@@ -44,8 +44,9 @@ from tests.support.server_procs import CacheServerProc
 TOKENS = 10 * PREFIX_BLOCK  # ten exact-prefix blocks of 2 layers x 16 tokens x 2 x 8 fp32
 ROUNDS = 2
 SENTINEL = 7.0  # what an untouched slot of the paged cache holds
-# A hang guard for each fetch, not a timing: a loopback fetch of ten 4 KiB blocks takes
-# milliseconds; a loaded 2-core machine may take many times that.
+# A hang guard for each call, not a timing: a loopback fetch of ten 4 KiB blocks takes
+# milliseconds; a loaded 2-core machine may take many times that. (The client's default
+# deadlines, 0.5 s for a lookup, would turn a slow machine's hits into misses.)
 GET_TIMEOUT_S = 30.0
 
 ROUTES: dict[str, dict[str, object]] = {
@@ -90,6 +91,9 @@ def fetch_rounds(address: str, route: str, rounds: int = ROUNDS, **changes: obje
     fields: dict[str, object] = {
         "get_timeout_s": GET_TIMEOUT_S,
         "put_timeout_s": GET_TIMEOUT_S,
+        "lookup_timeout_s": GET_TIMEOUT_S,
+        "control_timeout_s": GET_TIMEOUT_S,
+        "connect_timeout_s": GET_TIMEOUT_S,
         **ROUTES[route],
         **changes,
     }
