@@ -208,8 +208,8 @@ class GetRules:
                     buffer.parts = []
                     tier_lease.release()
                     lease.release()
-                sent += tier_lease.size
-                hits += 1
+                sent += size
+                hits += size > 0  # 0: dropped by an injected fault
                 continue
             found = await self._store.get_into(key, memoryview(buffer.data))
             if found is not None and found[0] > len(buffer.data):
@@ -230,7 +230,7 @@ class GetRules:
             buffer.parts = []
             lease.release()
             sent += size
-            hits += 1
+            hits += size > 0
         self._count(tenant, sent, hits, len(keys) - hits)
 
     async def _tamper_bulk(self, buffer: SendBuffer, size: int) -> int:
