@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tiers import Evicted, PutStatus, TierConfigError, tier_from_url
+from nopecache.cache_server.tiers.cpu import CpuTier
 from nopecache.cache_server.tiers.disk import DiskTier
 from nopecache.cache_server.tiers.disk_record import FIXED_BYTES
+from tests.support.redis_procs import RedisProc
 
 PAGE = 4096
 # Each test blob takes one 4 KiB page with its record header (56 + 16 bytes in front).
@@ -329,3 +332,25 @@ async def test_a_changed_layout_starts_empty(tmp_path: Path) -> None:
         assert tier.lru_keys() == []
     finally:
         await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_evictions_skip_a_failing_disk_to_the_tier_below(
+    tmp_path: Path, redis_clean: RedisProc
+) -> None:
+    cpu = CpuTier(2 * PAGE, page_bytes=PAGE, pinned=False)
+    disk = open_tier(tmp_path)
+    store = TieredStore([cpu, disk, tier_from_url(redis_clean.url)])
+    ((fd, _, _),) = disk.slabs.segments(((0, 1),))
+    full = os.open("/dev/full", os.O_RDWR)
+    try:
+        os.dup2(full, fd)  # the disk is full from now on
+        for i in range(3):
+            await store.put(key(i), blob(i))
+        # key 0, evicted from memory, could not be written to disk: Redis holds it.
+        assert await store.lookup([key(0), key(1), key(2)]) == ["redis", "cpu", "cpu"]
+        assert not disk.healthy
+        assert await store.get(key(0)) == (blob(0), "redis")
+    finally:
+        os.close(full)
+        await store.close()
