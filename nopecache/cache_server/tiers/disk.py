@@ -42,6 +42,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -61,7 +62,12 @@ from nopecache.cache_server.tiers.base import (
     query_options,
 )
 from nopecache.cache_server.tiers.cpu import PageTable, Placement
-from nopecache.cache_server.tiers.disk_file import SLAB_BYTES, SlabFiles, aligned_buffer
+from nopecache.cache_server.tiers.disk_file import (
+    SLAB_BYTES,
+    SlabFiles,
+    ThreadBuffers,
+    aligned_buffer,
+)
 from nopecache.cache_server.tiers.disk_index import Rebuilt, rebuild_index
 from nopecache.cache_server.tiers.disk_record import (
     HEAD_PROBE_BYTES,
@@ -87,6 +93,15 @@ DEFAULT_THREADS = 4
 _T = TypeVar("_T")
 # What a worker returns for one record: its bytes, or why not.
 _ReadOutcome = bytes | RecordError | OSError
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """What the index knows of a record beyond its pages."""
+
+    generation: int
+    # Header plus payload: a read fetches only these bytes (rounded up to 4 KiB).
+    nbytes: int
 
 
 class _Busy:
@@ -146,7 +161,9 @@ class DiskTier(Tier):
         self._table = PageTable(n_pages, page_bytes)
         records = self.rebuilt.records
         self._table.restore([(h.key, self._placement(h.runs)) for h in records])
-        self._generation = {h.key: h.generation for h in records}
+        self._records = {
+            h.key: _Record(h.generation, h.header_len + h.payload_len) for h in records
+        }
         self._next_generation = self.rebuilt.next_generation
         log.info(
             "disk tier %s: %d block(s) found in %.3f s (%d header reads over %d pages, "
@@ -164,6 +181,7 @@ class DiskTier(Tier):
         self._writing: set[bytes] = set()
         self._busy = _Busy(self._writing)
         self._zeros = aligned_buffer(HEAD_PROBE_BYTES)
+        self._buffers = ThreadBuffers()
         self._healthy = True
         self._closed = False
         # Records found damaged (torn, flipped, truncated) since start: each deleted.
@@ -252,6 +270,12 @@ class DiskTier(Tier):
         """Where ``key``'s record lives (no recency change)."""
         return self._table.index.get(key)
 
+    def record_bytes(self, key: bytes) -> int | None:
+        """Header plus payload bytes of ``key``'s record (what a read fetches, rounded up
+        to 4 KiB); None when absent."""
+        record = self._records.get(key)
+        return record.nbytes if record is not None else None
+
     # -- reads ----------------------------------------------------------------------------
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are present and fully written (no recency change)."""
@@ -267,10 +291,10 @@ class DiskTier(Tier):
         if placement is None or key in self._writing:
             return None
         table.index.move_to_end(key)
-        generation = self._generation[key]
+        record = self._records[key]
         table.lease(placement)
         try:
-            outcome = await self._run(self._readers, self._read_record, key, placement, generation)
+            outcome = await self._run(self._readers, self._read_record, key, placement, record)
         finally:
             table.unlease(placement)
         if isinstance(outcome, bytes):
@@ -288,29 +312,28 @@ class DiskTier(Tier):
         """The blocks for ``keys``, read on the worker threads at once."""
         return list(await asyncio.gather(*(self.get(key) for key in keys)))
 
-    def _read_record(self, key: bytes, placement: Placement, generation: int) -> _ReadOutcome:
+    def _read_record(self, key: bytes, placement: Placement, record: _Record) -> _ReadOutcome:
         """(worker thread) The payload of ``key``'s record, checked against the index."""
-        buf = aligned_buffer(placement.size)
+        buf = self._buffers.get(record.nbytes)
         try:
-            if not self._slabs.read_runs(placement.runs, buf):
+            if not self._slabs.read_runs(placement.runs, buf, record.nbytes):
                 return RecordError("short read: a slab was truncated")
             header = parse_header(self._slabs.secret, buf[:HEAD_PROBE_BYTES])
-            if (header.key, header.generation, header.runs) != (key, generation, placement.runs):
+            expected = (key, record.generation, placement.runs)
+            if (header.key, header.generation, header.runs) != expected:
                 return RecordError("header does not match the index (overwritten)")
             start = header.header_len
             end = start + header.payload_len
-            if end > placement.size:
-                return RecordError(f"length: {header.payload_len} bytes exceed the record")
-            payload = buf[start:end]
-            if payload_digest(payload) != header.payload_xxh3:
-                return RecordError("payload: xxh3 mismatch (torn or damaged)")
-            return payload
+            if end != record.nbytes:
+                return RecordError(f"length: {header.payload_len} bytes, not the record's")
+            with memoryview(buf) as view, view[start:end] as payload:
+                if payload_digest(payload) != header.payload_xxh3:
+                    return RecordError("payload: xxh3 mismatch (torn or damaged)")
+            return buf[start:end]
         except RecordError as e:
             return e
         except OSError as e:
             return e
-        finally:
-            buf.close()
 
     # -- writes ---------------------------------------------------------------------------
     async def put(self, key: bytes, blob: BlobLike, *, keep_evicted: bool = True) -> PutResult:
@@ -336,16 +359,16 @@ class DiskTier(Tier):
             and table.n_pages - table.kept_pages(busy) - table.leased_pages < need
         ):
             return PutResult(PutStatus.FULL)
-        victims: list[tuple[bytes, Placement, int]] = []
+        victims: list[tuple[bytes, Placement, _Record]] = []
         while table.free_pages < need:
             old_key, old = table.pop_lru(busy)
-            victims.append((old_key, old, self._generation.pop(old_key)))
+            victims.append((old_key, old, self._records.pop(old_key)))
             table.release(old)
         placement = table.allocate(key, need * table.page_bytes)
         generation = self._next_generation
         self._next_generation += 1
-        self._generation[key] = generation
         header = RecordHeader(key, placement.runs, generation, len(src), 0)
+        self._records[key] = _Record(generation, header.header_len + len(src))
         self._writing.add(key)
         try:
             read_back, error = await self._run(
@@ -365,7 +388,7 @@ class DiskTier(Tier):
         self._failed("write", error)
         if table.index.get(key) is placement:
             del table.index[key]
-            self._generation.pop(key, None)
+            self._records.pop(key, None)
             table.release(placement)
             self._erase_later(placement)
         return PutResult(PutStatus.UNAVAILABLE, tuple(evicted))
@@ -374,7 +397,7 @@ class DiskTier(Tier):
         self,
         header: RecordHeader,
         src: memoryview,
-        victims: Sequence[tuple[bytes, Placement, int]],
+        victims: Sequence[tuple[bytes, Placement, _Record]],
         keep_evicted: bool,
     ) -> tuple[list[_ReadOutcome | None], OSError | None]:
         """(writer thread) Read the victims still needed, erase their headers, write the
@@ -387,19 +410,14 @@ class DiskTier(Tier):
             for _, old, _ in victims:
                 if old.runs[0][0] not in mine:
                     self._slabs.erase_head(old.runs[0][0], self._zeros)
-            buf = aligned_buffer(len(mine) * self._table.page_bytes)
-            try:
-                digest = payload_digest(src)
-                full = RecordHeader(header.key, header.runs, header.generation, len(src), digest)
-                view = memoryview(buf)
-                try:
-                    start = pack_header(self._slabs.secret, full, view)
-                    view[start : start + len(src)] = src
-                finally:
-                    view.release()
-                self._slabs.write_runs(header.runs, buf)
-            finally:
-                buf.close()
+            digest = payload_digest(src)
+            full = RecordHeader(header.key, header.runs, header.generation, len(src), digest)
+            nbytes = full.header_len + len(src)
+            buf = self._buffers.get(nbytes)
+            with memoryview(buf) as view:
+                start = pack_header(self._slabs.secret, full, view)
+                view[start : start + len(src)] = src
+            self._slabs.write_runs(header.runs, buf, nbytes)
         except OSError as e:
             return read_back, e
         return read_back, None
@@ -411,7 +429,7 @@ class DiskTier(Tier):
         placement = self._table.index.pop(key, None)
         if placement is None:
             return False
-        self._generation.pop(key, None)
+        self._records.pop(key, None)
         self._table.release(placement)
         error = await self._run(self._writer, self._erase, placement)
         if error is not None:
@@ -488,6 +506,7 @@ class DiskTier(Tier):
         self._readers.shutdown(wait=True)
         self._slabs.close()
         self._zeros.close()
+        self._buffers.close()
         self._table.index.clear()
 
     # -- helpers --------------------------------------------------------------------------

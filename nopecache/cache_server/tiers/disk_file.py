@@ -38,13 +38,14 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 from nopecache.cache_server.tiers.base import TierConfigError
 from nopecache.cache_server.tiers.disk_record import HEAD_PROBE_BYTES
 
-__all__ = ["ALIGN", "SLAB_BYTES", "SlabFiles", "aligned_buffer"]
+__all__ = ["ALIGN", "SLAB_BYTES", "SlabFiles", "ThreadBuffers", "aligned_buffer"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,41 @@ _LAYOUT_VERSION = 1
 def aligned_buffer(n_bytes: int) -> mmap.mmap:
     """A zero-filled, page-aligned buffer of ``n_bytes`` (an anonymous mapping)."""
     return mmap.mmap(-1, max(n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+class ThreadBuffers:
+    """One aligned buffer per thread, reused and grown to the largest record seen.
+
+    A fresh mapping per I/O costs an mmap, a page fault per 4 KiB touched and an munmap:
+    about as much as reading a 256 KiB block from a fast SSD. A thread's buffer is only
+    ever used by that thread, between two calls of its own.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def get(self, n_bytes: int) -> mmap.mmap:
+        """This thread's buffer, at least ``n_bytes`` long (its old contents remain)."""
+        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n_bytes:
+            if buf is not None:
+                with self._lock:
+                    self._all.remove(buf)
+                buf.close()
+            buf = aligned_buffer(-(-n_bytes // ALIGN) * ALIGN)
+            self._local.buf = buf
+            with self._lock:
+                self._all.append(buf)
+        return buf
+
+    def close(self) -> None:
+        """Unmap every thread's buffer (the threads are done)."""
+        with self._lock:
+            bufs, self._all = self._all, []
+        for buf in bufs:
+            buf.close()
 
 
 class SlabFiles:
@@ -159,30 +195,39 @@ class SlabFiles:
                 count -= n
         return out
 
-    def read_runs(self, runs: Sequence[tuple[int, int]], buf: mmap.mmap) -> bool:
-        """Read the pages of ``runs`` into ``buf`` in order; False on a short read (a slab
-        truncated under the tier)."""
+    def read_runs(self, runs: Sequence[tuple[int, int]], buf: mmap.mmap, n_bytes: int) -> bool:
+        """Read the first ``n_bytes`` (rounded up to ``ALIGN``) of the pages of ``runs``
+        into ``buf``; False on a short read (a slab truncated under the tier)."""
         view = memoryview(buf)
         try:
-            pos = 0
+            pos, left = 0, -(-n_bytes // ALIGN) * ALIGN
             for fd, offset, n in self.segments(runs):
+                n = min(n, left)
+                if n <= 0:
+                    break
                 if os.preadv(fd, [view[pos : pos + n]], offset) != n:
                     return False
                 pos += n
+                left -= n
             return True
         finally:
             view.release()
 
-    def write_runs(self, runs: Sequence[tuple[int, int]], buf: mmap.mmap) -> None:
-        """Write ``buf`` over the pages of ``runs``; OSError (ENOSPC, EIO, ...) propagates."""
+    def write_runs(self, runs: Sequence[tuple[int, int]], buf: mmap.mmap, n_bytes: int) -> None:
+        """Write the first ``n_bytes`` of ``buf`` (rounded up to ``ALIGN``) over the pages of
+        ``runs``; OSError (ENOSPC, EIO, ...) propagates."""
         view = memoryview(buf)
         try:
-            pos = 0
+            pos, left = 0, -(-n_bytes // ALIGN) * ALIGN
             for fd, offset, n in self.segments(runs):
+                n = min(n, left)
+                if n <= 0:
+                    break
                 done = 0
                 while done < n:  # a short write is resumed; an error raises
                     done += os.pwrite(fd, view[pos + done : pos + n], offset + done)
                 pos += n
+                left -= n
         finally:
             view.release()
 
