@@ -450,7 +450,8 @@ class DiskTier(Tier):
 
     def _erase_later(self, placement: Placement) -> None:
         """Queue a header erasure without waiting (after a failed write: best effort)."""
-        self._writer.submit(self._erase, placement)
+        if not self._closed:
+            self._writer.submit(self._erase, placement)
 
     async def _drop_corrupt(self, key: bytes, placement: Placement, why: str) -> None:
         self.corrupt_values += 1
