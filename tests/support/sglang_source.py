@@ -67,7 +67,7 @@ def method_statements(module: str, cls: str, method: str) -> list[str]:
     for node in _module_tree(module).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:
             for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == method:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == method:
                     return [
                         ast.unparse(n)
                         for fn in item.body

@@ -17,6 +17,8 @@ builds a ``RadixKey`` with the request's ``extra_key`` and ``cache_salt``), the 
   SHA-256 of the feature's bytes) into four 62-bit sentinels (``_compute_pad_values``) that
   replace the image's placeholder tokens (``pad_mm_tokens``); pages holding a token above
   2**32 are hashed as 64-bit words (``hash_wide_page``), never truncated.
+- Prompt embeddings: refused with the radix cache on (``TokenizerManager``); positional
+  embedding overrides skip the radix cache (``Req``). Neither is ever hashed into a page.
 
 ``schedule_batch``/``mm_utils`` do not import in the CPU environment; their functions run
 from SGLang's installed source (``tests/support/sglang_source.py``), and the two statements
@@ -116,6 +118,28 @@ def test_sglang_builds_the_key_from_lora_id_and_item_hash() -> None:
     set_hash = method_statements(SCHEDULE_BATCH, "MultimodalDataItem", "set_hash")
     assert "self.pad_values = _compute_pad_values(self.hash.to_bytes(8, byteorder='big'))" in (
         set_hash
+    )
+
+
+def test_inputs_the_token_ids_do_not_determine_never_reach_hicache() -> None:
+    """Prompt embeddings are refused unless the radix cache (and so HiCache) is off;
+    positional embedding overrides skip the radix cache: no page of theirs is hashed."""
+    tokenize = method_statements(
+        "sglang.srt.managers.tokenizer_manager", "TokenizerManager", "_tokenize_one_request"
+    )
+    assert any(
+        s.startswith("if not get_memory().disable_radix_cache:\n    raise ValueError(")
+        for s in tokenize
+    )
+    req_init = method_statements(SCHEDULE_BATCH, "Req", "__init__")
+    assert (
+        "self.skip_radix_cache_insert = bootstrap_host == FAKE_BOOTSTRAP_HOST or "
+        "positional_embed_overrides is not None" in req_init
+    )
+    match = method_statements(SCHEDULE_BATCH, "Req", "init_next_round_input")
+    assert (
+        "if self.positional_embed_overrides is not None:\n    token_ids_to_match = array('q')\n    key_limit = None"
+        in match
     )
 
 
