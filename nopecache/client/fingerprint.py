@@ -305,7 +305,7 @@ class ModelFingerprint:
             source["config_digest"] = reader.blob("config_digest")
             source["weights_digest"] = reader.blob("weights_digest")
             (source["rope_max_len"],) = reader.fixed(_U32, "rope_max_len")
-        group = (0, 0)
+        group: tuple[int, ...] = (0, 0)
         if version in (_VERSION_HEAD_GROUP, _VERSION_SOURCE_HEAD_GROUP):
             group = reader.fixed(_GROUP, "the head group")
             if group[1] == 0:
