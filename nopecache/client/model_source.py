@@ -106,17 +106,19 @@ class ModelSource:
         text_config: Mapping[str, Any],
         max_model_len: int,
         rope_types_applied: Iterable[str] = (),
+        weights: str | None = None,
     ) -> ModelSource:
         """The source of ``model`` as an engine loaded it: ``text_config`` is its text
         config's ``to_dict()``, ``rope_types_applied`` the RoPE types the engine applies
-        beyond those the config names (an override); reads the weights of a local path."""
+        beyond those the config names (an override); reads the weights of a local path
+        (``weights``, default ``model``: where a user names the model, the files)."""
         kinds = rope_types(text_config) | frozenset(rope_types_applied)
         return cls(
             model=model,
             revision=revision,
             quantization=quantization,
             config_digest=config_digest(text_config),
-            weights_digest=weights_digest(model),
+            weights_digest=weights_digest(model if weights is None else weights),
             rope_max_len=rope_max_len(kinds, max_model_len),
         )
 
