@@ -19,7 +19,8 @@ calls may (roles.py). "Loopback" is listeners.LOOPBACK_HOSTS: 127.0.0.2 and the 
 127/8 addresses count as reachable, the address a server was told to be reached by.
 
 A listener of its own takes the gRPC port's connection limits and TLS credentials and
-serves ``nopecache.v1.Admin`` only, through the AdminGate; ``kubectl exec POD --
+serves ``nopecache.v1.Admin`` only, through the CallLimiter (its calls count with the
+port's) and the AdminGate; ``kubectl exec POD --
 nopecache-admin --server 127.0.0.1:PORT ...`` reaches a loopback one.
 """
 

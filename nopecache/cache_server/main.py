@@ -274,7 +274,7 @@ async def start_server(
         if placement.listen is not None:
             side.append(
                 start_admin_listener(
-                    config, placement, interceptors=[admin_gate], credentials=credentials
+                    config, placement, interceptors=[calls, admin_gate], credentials=credentials
                 )
             )
             add_admin_to_server(admin, side[-1][0])
