@@ -9,12 +9,19 @@ and localhost count as this machine only); tests listen on loopback addresses on
 from __future__ import annotations
 
 import logging
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nopecache.cache_server.admin_service import _METHODS
 from nopecache.cache_server.config import ConfigError
@@ -179,3 +186,49 @@ async def test_with_tokens_admin_stays_on_the_port_and_asks_for_them(
 def test_admin_listen_values_are_checked(where: str) -> None:
     with pytest.raises(ConfigError, match=r"^admin_listen: expected HOST:PORT"):
         replace(SMALL, admin_listen=where)
+
+
+_HEALTH_LINE = re.compile(r"health service on its own listener 127\.0\.0\.1:(\d+)")
+_START_TIMEOUT_S = 60.0  # a hang guard: the lines come ~1 s after the start on an idle machine
+
+
+def test_the_server_process_warns_at_start_up_and_serves_probes_apart() -> None:
+    """``nopecache-server --host 127.0.0.2`` without tokens: the warning is on stderr, and
+    the health listener it reports answers SERVING."""
+    cmd = [sys.executable, "-m", "nopecache.cache_server", "--host", "127.0.0.2", "--port", "0"]
+    cmd += ["--no-metrics", "--tier", "cpu://?capacity=4MiB&pinned=no"]
+    cmd += ["--health-listen", "127.0.0.1:0", "--shutdown-grace-s", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        port = None
+        while port is None and time.monotonic() < deadline:
+            if not selector.select(timeout=0.5):
+                continue
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if match := _HEALTH_LINE.search(line):
+                port = int(match[1])
+        assert port is not None, "".join(lines)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=_START_TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=_START_TIMEOUT_S)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    text = "".join(lines)
+    assert f"WARNING nopecache.cache_server: {_OFF}: no admin or tenant token" in text, text
+    assert "listening on 127.0.0.2:" in text

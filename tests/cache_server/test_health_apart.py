@@ -127,6 +127,8 @@ async def test_watch_floods_on_the_grpc_port_leave_checks_answered() -> None:
             assert len(flood.open) == total
             assert flood.refusals == refusals(total, PER_ADDRESS, len(sources))
             assert limiter.held("ipv4:127.0.0.1") == limiter.held("ipv4:127.0.0.2") == 2
+            refused = {"method": "Watch", "reason": "too_many_watches"}
+            assert h.sample("nopecache_requests_rejected_total", refused) == len(flood.refusals)
             # A caller the flood never used, and the flood's own addresses: answered.
             for channel in (chans[-1], chans[0], chans[5]):
                 assert await check(channel) == SERVING
