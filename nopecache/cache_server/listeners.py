@@ -21,6 +21,11 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 def bind_error(option: str, host_option: str, host: str, port: int, why: str) -> str:
     """The one-line start-up error for a port that cannot be bound, naming the options."""
+    if option == host_option:  # a HOST:PORT option (admin_listen, health_listen)
+        return (
+            f"{option}: cannot listen on {host}:{port} ({why}); choose another address or "
+            f"port with {flag_name(option)} (or {env_name(option)})"
+        )
     return (
         f"{option}: cannot listen on {host}:{port} ({why}); choose another port with "
         f"{flag_name(option)} (or {env_name(option)}), or another address with "

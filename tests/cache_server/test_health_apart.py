@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nopecache.cache_server.config import ConfigError
 from nopecache.cache_server.health_port import HEALTH_PORT_WATCHES, main_port_watches
+from nopecache.cache_server.main import start_server
 from nopecache.cache_server.principals import PROBE_SHARE
 from nopecache.cache_server.service import SERVICE_NAME
 from nopecache.proto import cache_pb2 as pb
@@ -198,3 +200,20 @@ def test_health_listen_values_are_checked(where: str) -> None:
         return
     with pytest.raises(ConfigError, match=r"^health_listen: expected HOST:PORT"):
         replace(SMALL, health_listen=where)
+
+
+@pytest.mark.parametrize("option", ["health_listen", "admin_listen"])
+@pytest.mark.asyncio
+async def test_a_busy_listener_port_is_one_line_naming_its_option(option: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = replace(SMALL, **{option: f"127.0.0.1:{port}"})  # type: ignore[arg-type]
+        with pytest.raises(ConfigError) as refused:
+            await start_server(config)
+    flag = "--" + option.replace("_", "-")
+    assert str(refused.value) == (
+        f"{option}: cannot listen on 127.0.0.1:{port} (Address already in use); choose "
+        f"another address or port with {flag} (or NOPECACHE_{option.upper()})"
+    )
