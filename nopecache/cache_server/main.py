@@ -10,7 +10,10 @@ What one server process runs::
       reflection                |                                       metrics_port)
     tier monitor task ──────────┘  every few seconds: stats -> gauges + per-tier health
 
-Health and reflection pass the gate untouched (no token needed), so probes work.
+Health and reflection pass the gate untouched (no token needed), so probes work;
+Health.Watch streams are capped per address (health_port.py). Beside the gRPC port, two
+optional listeners: ``health_listen`` (health only, caps of its own: the probes' port) and
+``admin_listen`` (the Admin service when it may not share the port: admin_exposure.py).
 
 Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, the gRPC server stops accepting
 and gives in-flight RPCs ``shutdown_grace_s`` to finish, then the store is closed (Redis
@@ -228,7 +231,9 @@ async def start_server(
     pins = PinTable(config.pin_max_ttl_s)
     store.keep(pins)
     endpoint: MetricsEndpoint | None = None
-    side: list[tuple[grpc.aio.Server, int]] = []
+    side: list[grpc.aio.Server] = []
+    admin_port: int | None = None
+    health_port: int | None = None
     health_watches: WatchLimiter | None = None
     try:
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
@@ -272,17 +277,16 @@ async def start_server(
         if placement.on_port:
             add_admin_to_server(admin, server)
         if placement.listen is not None:
-            side.append(
-                start_admin_listener(
-                    config, placement, interceptors=[calls, admin_gate], credentials=credentials
-                )
+            listener, admin_port = start_admin_listener(
+                config, placement, interceptors=[calls, admin_gate], credentials=credentials
             )
-            add_admin_to_server(admin, side[-1][0])
+            add_admin_to_server(admin, listener)
+            side.append(listener)
         if config.health_listen:
             listener, health_port, health_watches = start_health_listener(
                 config, health_servicer, metrics
             )
-            side.append((listener, health_port))
+            side.append(listener)
         reflection.enable_server_reflection(
             [
                 SERVICE_NAME,
@@ -322,7 +326,7 @@ async def start_server(
                     )
                 ) from e
         await server.start()
-        for listener, _ in side:
+        for listener in side:
             await listener.start()
     except BaseException:
         await store.close()
@@ -342,9 +346,9 @@ async def start_server(
         pins=pins,
         calls=calls,
         tls=credentials is not None,
-        admin_port=side[0][1] if placement.listen is not None else None,
-        health_port=side[-1][1] if config.health_listen else None,
-        side_servers=[s for s, _ in side],
+        admin_port=admin_port,
+        health_port=health_port,
+        side_servers=side,
         watches=watches,
         health_watches=health_watches,
     )

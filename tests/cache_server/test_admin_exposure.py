@@ -9,12 +9,12 @@ and localhost count as this machine only); tests listen on loopback addresses on
 from __future__ import annotations
 
 import logging
+import queue
 import re
-import selectors
 import signal
 import subprocess
 import sys
-import time
+import threading
 from dataclasses import replace
 
 import grpc
@@ -200,21 +200,21 @@ def test_the_server_process_warns_at_start_up_and_serves_probes_apart() -> None:
     cmd += ["--health-listen", "127.0.0.1:0", "--shutdown-grace-s", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
-    try:
+    ports: queue.Queue[int | None] = queue.Queue()
+
+    def read_stderr() -> None:
+        # A thread, not select() on the pipe: one read may buffer several lines.
         assert proc.stderr is not None
-        selector = selectors.DefaultSelector()
-        selector.register(proc.stderr, selectors.EVENT_READ)
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        port = None
-        while port is None and time.monotonic() < deadline:
-            if not selector.select(timeout=0.5):
-                continue
-            line = proc.stderr.readline()
-            if not line:
-                break
+        for line in proc.stderr:
             lines.append(line)
             if match := _HEALTH_LINE.search(line):
-                port = int(match[1])
+                ports.put(int(match[1]))
+        ports.put(None)  # the process closed stderr (it exited)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        port = ports.get(timeout=_START_TIMEOUT_S)
         assert port is not None, "".join(lines)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
@@ -227,6 +227,7 @@ def test_the_server_process_warns_at_start_up_and_serves_probes_apart() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=_START_TIMEOUT_S)
+        reader.join(timeout=_START_TIMEOUT_S)
         if proc.stderr is not None:
             proc.stderr.close()
     text = "".join(lines)
