@@ -46,8 +46,9 @@ from nopecache.client.buffers import BufferPool
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.keyed_blocks import KeyedBlockClient, StoreStatus
 from nopecache.client.keys import engine_page_key
+from nopecache.client.model_source import ModelSource
 from nopecache.integrations.sglang import compat
-from nopecache.integrations.sglang.config import BackendConfig, SGLangConfigError
+from nopecache.integrations.sglang.config import BackendConfig
 from nopecache.integrations.sglang.identity import page_fingerprint
 from nopecache.integrations.sglang.pages import PageOrder, PagePool, PoolGeometry
 from nopecache.proto.block import BlockError, StoredForm, build_block_into, validate
@@ -69,10 +70,10 @@ class NopecacheStorage(HiCacheStorage):
         """Validate SGLang's extra config and create the client (no server is contacted)."""
         self.settings = BackendConfig.from_extra_config(storage_config.extra_config)
         self.identity = compat.page_identity(storage_config)
-        model = self.settings.model or storage_config.model_name
-        if not model:
-            raise SGLangConfigError("model", "is required when SGLang gives no model name")
-        self.model: str = model
+        # What SGLang loaded, from its own model config: never the name alone.
+        model_config = compat.model_config(kwargs)
+        self.source: ModelSource = compat.model_source(model_config, self.settings.model)
+        self._model_dtype = compat.model_dtype(model_config)
         self.client = KeyedBlockClient(self.settings.client)
         self.pages: PagePool | None = None
         self._fingerprints: dict[PageOrder, ModelFingerprint] = {}
@@ -94,7 +95,7 @@ class NopecacheStorage(HiCacheStorage):
         geometry = compat.pool_geometry(mem_pool_host)
         self.pages = PagePool(geometry)
         self._fingerprints = {
-            order: page_fingerprint(self.model, geometry, self.identity, order)
+            order: page_fingerprint(self.source, self._model_dtype, geometry, self.identity, order)
             for order in ("token_major", "layer_major")
         }
 

@@ -1,15 +1,21 @@
 """Everything that reads SGLang's internals (0.5.23): host pool classes, storage config,
-metrics. The rest of the package sees only :class:`PoolGeometry` and :class:`PageIdentity`.
+the model config, metrics. The rest of the package sees only :class:`PoolGeometry`,
+:class:`PageIdentity` and :class:`~nopecache.client.model_source.ModelSource`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from nopecache.client.errors import InvalidArgumentError
+from nopecache.client.model_source import ModelSource
+from nopecache.integrations.sglang.config import SGLangConfigError
 from nopecache.integrations.sglang.identity import PageIdentity
 from nopecache.integrations.sglang.pages import PoolGeometry
 
-__all__ = ["page_identity", "pool_geometry", "storage_metrics"]
+__all__ = ["model_config", "model_source", "page_identity", "pool_geometry", "storage_metrics"]
 
 
 def pool_geometry(pool: Any) -> PoolGeometry:
@@ -17,6 +23,13 @@ def pool_geometry(pool: Any) -> PoolGeometry:
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
+    # SGLang stores fp8 KV as uint8 and keeps no record in the host pool of which fp8
+    # format (e4m3 or e5m2) the bytes are: pages of the two would share keys.
+    if getattr(pool, "dtype", None) is torch.uint8:
+        raise ValueError(
+            "an fp8 KV cache (stored as uint8) is not supported by the nopecache backend: "
+            "its host pool does not say which fp8 format its pages hold"
+        )
     # Exact classes: subclasses (asymmetric K/V widths, sparse pools) lay pages out otherwise.
     if type(pool) is MHATokenToKVPoolHost:
         return PoolGeometry(
@@ -55,6 +68,67 @@ def page_identity(storage_config: Any) -> PageIdentity:
         pp_size=int(storage_config.pp_size),
         is_mla=bool(storage_config.is_mla_model),
     )
+
+
+def model_config(kwargs: Any) -> Any:
+    """SGLang's ``ModelConfig`` of the served model: the factory's ``model_config`` keyword
+    when given, else built from the server args SGLang published, as its scheduler builds
+    it. SGLangConfigError when neither exists (no SGLang server in this process)."""
+    given = kwargs.get("model_config") if isinstance(kwargs, dict) else None
+    if given is not None:
+        return given
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        server_args = get_server_args()
+    except ValueError:
+        raise SGLangConfigError(
+            "model",
+            "cannot be identified: SGLang published no server args (the backend runs "
+            "inside an SGLang server, or is given model_config= by its factory)",
+        ) from None
+    return ModelConfig.from_server_args(server_args)
+
+
+def _revision(config: Any) -> str:
+    for hf in (config.hf_config, config.hf_text_config):
+        commit = getattr(hf, "_commit_hash", None)
+        if commit:
+            return str(commit)
+    return str(config.revision or "")
+
+
+def _text_config(config: Any) -> dict[str, Any]:
+    text = dict(config.hf_text_config.to_dict())
+    # SGLang writes its --context-length into the config it loaded: a setting of this
+    # server, not of the model. It counts where the RoPE depends on it (rope_max_len).
+    text.pop("context_len", None)
+    return text
+
+
+def model_source(config: Any, model: str | None) -> ModelSource:
+    """What SGLang loaded (``ModelConfig``): its path (or ``model``, the user's name for
+    it), commit hash else revision, quantization, text config, weights, context length."""
+    path = str(config.model_path)
+    try:
+        return ModelSource.derive(
+            model=model or path,
+            revision=_revision(config),
+            quantization=str(config.quantization or ""),
+            text_config=_text_config(config),
+            max_model_len=int(config.context_len),
+            weights=path,
+        )
+    except InvalidArgumentError as err:
+        raise SGLangConfigError("model", f"cannot be identified: {err}") from err
+    except OSError as err:
+        raise SGLangConfigError("model", f"weights of {path} cannot be read: {err}") from err
+
+
+def model_dtype(config: Any) -> str:
+    """The dtype SGLang computes the model in (``"bfloat16"``)."""
+    return str(config.dtype).removeprefix("torch.")
 
 
 def storage_metrics(
