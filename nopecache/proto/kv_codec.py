@@ -93,11 +93,15 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [L, T, H, D] as e4m3 with one fp32 scale per layer and head ([L, H])."""
     import torch
 
-    xf = x.detach().float()
-    amax = xf.abs().amax(dim=(1, 3))
+    x = x.detach()
+    # |x| and its max are exact in x's own dtype: no fp32 copy is needed for them.
+    amax = x.abs().amax(dim=(1, 3)).float()
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (xf / scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    # One fp32 temporary (a copy even of fp32 K: the caller's tensor is never written),
+    # divided and clamped in place; the cast rounds to nearest even.
+    xf = x.to(torch.float32, copy=True).div_(scale[:, None, :, None])
+    xf.clamp_(-E4M3_MAX, E4M3_MAX)
+    return xf.to(torch.float8_e4m3fn), scale
 
 
 def encode_tensors(codec: str, k: torch.Tensor, v: torch.Tensor | None) -> list[torch.Tensor]:
@@ -105,6 +109,8 @@ def encode_tensors(codec: str, k: torch.Tensor, v: torch.Tensor | None) -> list[
     (``none``: K and V as given)."""
     if codec == "none":
         return [k] if v is None else [k, v]
+    if k.element_size() < 2:
+        raise CodecError(f"codec: {codec} needs a 2- or 4-byte dtype, the block's is {k.dtype}")
     if codec == "k16v8":
         if v is None:
             raise CodecError("codec: k16v8 needs V (a block without V, MLA, has nothing to shrink)")
@@ -120,7 +126,7 @@ def encode_tensors(codec: str, k: torch.Tensor, v: torch.Tensor | None) -> list[
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale[:, None, :, None]).to(dtype)
+    return q.float().mul_(scale[:, None, :, None]).to(dtype)
 
 
 def decode_payload(

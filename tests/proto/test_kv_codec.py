@@ -176,7 +176,9 @@ def test_a_flipped_byte_of_a_compact_payload_fails_the_servers_check() -> None:
 
 def test_encode_and_decode_parts_on_their_own() -> None:
     k, v = known_kv(torch.float32)
+    given = k.clone()
     parts = encode_tensors("fp8", k, v)
+    assert torch.equal(k, given)  # fp32 K is not scaled in place
     assert [p.dtype for p in parts] == [torch.float8_e4m3fn] * 2 + [torch.float32] * 2
     raw = torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts])
     dk, dv = decode_payload("fp8", raw, torch.float32, (L, T, H, D), D)
