@@ -143,15 +143,25 @@ class BulkServer:
             return refused
         return self._advertise_port or self.port, ticket
 
+    def listen(self) -> None:
+        """Start the listener now, not at the first OpenBulk (a fixed ``bulk_listen`` port
+        is claimed at start-up, before an ephemeral port of some client can take it)."""
+        if self._listener is None:
+            self._start()
+
     def _start(self) -> None:
         host, port = self._host.strip("[]"), 0
         if self._listen:  # a fixed port, for a front proxy (deploy/haproxy)
             host, port = split_listen(self._listen, "bulk_listen")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(64)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(64)
+        except OSError:
+            listener.close()
+            raise
         listener.setblocking(False)
         self._listener = listener
         self.port = listener.getsockname()[1]
