@@ -258,7 +258,15 @@ async def idle_bulk(route: Route, n: int, end: float, report: FloodReport) -> No
     k = key("idlebulk", 0)
     address = route.grpc("idle_bulk")
     async with channel(address, SQUAT) as ch:
-        await cache_pb2_grpc.KVCacheStub(ch).Put(_one(frames_of(k, block(k, 16 * MiB))), timeout=30)
+        # Again until stored: the budget the squatters fill can refuse (or cut) the Put.
+        while time.monotonic() < end:
+            try:
+                await cache_pb2_grpc.KVCacheStub(ch).Put(
+                    _one(frames_of(k, block(k, 16 * MiB))), timeout=30
+                )
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
     # Tickets first (valid 30 s), before the idle flood takes the gRPC port.
     tickets = await _bulk_tickets(address, SQUAT, n)
     source = (route.source("idle_bulk"), 0)
