@@ -277,7 +277,13 @@ async def slow_get(address: str, n: int, end: float, report: AttackReport) -> No
     k = key("slowget", n % 4)
     async with channel(address, EVIL) as ch:
         stub = cache_pb2_grpc.KVCacheStub(ch)
-        await stub.Put(_one(frames_of(k, block(k, 2 * MiB))), timeout=30)
+        # Again until stored: on a loaded machine the budget the squatters fill can cut it.
+        while time.monotonic() < end - 0.5:
+            try:
+                await stub.Put(_one(frames_of(k, block(k, 2 * MiB))), timeout=30)
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
         while time.monotonic() < end - 0.5:
             call = stub.Get(pb.GetRequest(keys=k * 512), timeout=max(0.1, end - time.monotonic()))
             try:
