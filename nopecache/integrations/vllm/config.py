@@ -18,7 +18,9 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
     recompute_budget
                  float  0.15         blend only: share of the reused position-independent
                                      token-layers the policy recomputes, in [0, 1]
-    namespace    str    ""           salt separating workloads within one tenant
+    namespace    str    ""           salt separating workloads within one tenant; unset,
+                                     the url's ``?namespace=`` (the two given and
+                                     different: a start-up error naming both)
     load         bool   true         look up and load cached KV
     load_async   bool   true         fetch in the background while vLLM runs other
                                      requests (the request waits in
@@ -76,7 +78,7 @@ engines share blocks exactly when they run the same model with the same KV dtype
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -134,6 +136,25 @@ def _token_ids(key: str, value: object) -> frozenset[int]:
     ):
         raise ConnectorConfigError(key, f"must be a list of token ids (ints >= 0), got {value!r}")
     return frozenset(value)
+
+
+def _namespace(client: ClientConfig, given: object) -> str:
+    """The key namespace: the extra config's, else the url's ``?namespace=``.
+
+    The connector passes its namespace on every call, which overrides the client's own:
+    taking the url's here keeps a ``?namespace=`` from being silently dropped, and two
+    different values are refused rather than one picked.
+    """
+    if given is None:
+        return client.namespace
+    namespace = _str("namespace", given)
+    if client.namespace and namespace != client.namespace:
+        raise ConnectorConfigError(
+            "namespace",
+            f"{namespace!r} differs from the url's ?namespace={client.namespace!r}; "
+            "give one of them, or the same value in both",
+        )
+    return namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +274,9 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "kv_head_group", f"must be a number of KV heads >= 1, got {group!r}"
             )
+        namespace = _namespace(client, extra.get("namespace"))
         return cls(
-            client=client,
+            client=replace(client, namespace=namespace),
             kv_head_group=group,
             lookup_wait_ms=float(wait),
             kv_event_medium=medium,
@@ -263,7 +285,7 @@ class ConnectorConfig:
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
             recompute_policy=policy,
             recompute_budget=float(budget),
-            namespace=_str("namespace", extra.get("namespace", "")),
+            namespace=namespace,
             load=_bool("load", extra.get("load", True)),
             load_async=_bool("load_async", extra.get("load_async", True)),
             save=_bool("save", extra.get("save", True)),
