@@ -255,8 +255,10 @@ class WorkerSide:
         try:
             self._load_one(spec)
         except Exception:  # a bug here must cost a recompute, never the engine
-            log.exception("nopecache: loading %s failed", spec.req_id)
+            log.exception("nopecache: loading %s failed; vLLM recomputes it", spec.req_id)
             self._fail(spec, range(spec.start, spec.end))
+            with self._lock:
+                self._report.load_failures += 1
         seconds = time.perf_counter() - start
         with self._lock:
             self._report.load_seconds += seconds
@@ -421,19 +423,19 @@ class WorkerSide:
             self.quality.step_ended()
         if self.groups and self.layout is not None:
             for spec in plan.saves:
-                self._save_one(spec)
+                try:
+                    self._save_one(spec)
+                except Exception:  # a failed save is a skipped store, never a dead worker
+                    log.exception("nopecache: saving %s failed; not stored", spec.req_id)
+                    with self._lock:
+                        self._report.save_failures += 1
         self._end_step(plan)
 
     def _save_one(self, spec: SaveSpec) -> None:
         assert self.layout is not None
         n = len(spec.tokens)
-        rows = len(spec.block_ids) * self.model.block_size  # whole blocks, the last partial
-        shape = (self.model.num_layers, rows, self.model.rank_kv_heads, self.model.head_dim)
-        k = torch.empty(shape, dtype=self.model.dtype)
-        v = torch.empty(shape, dtype=self.model.dtype)
-        ids = torch.tensor(spec.block_ids, dtype=torch.int64)
-        for layer, cache in enumerate(self.caches):
-            self.layout.read_blocks_into(cache, ids, k[layer], v[layer])
+        # Whole blocks (the last one partial), gathered on the caches' device.
+        k, v = self.layout.blocks_to_host(self.caches, spec.block_ids)
         k, v = k[:, :n], v[:, :n]
         stored = True
         for group, client in self.groups:
