@@ -101,6 +101,7 @@ class StepReport:
     blend_fallbacks: int = 0  # blend loads that failed: vLLM recomputed from the first hit
     blend_seconds: float = 0.0  # time in the layer loop (fetches excluded)
     blend_token_layers: int = 0  # token-layers the loop computed (misses included)
+    rope_check_failed: int = 0  # workers whose start-up RoPE check refused PI reuse
     failed_requests: list[str] = field(default_factory=list)
 
     def add(self, other: StepReport, *, same_step: bool = False) -> StepReport:

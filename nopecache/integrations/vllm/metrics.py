@@ -122,6 +122,9 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "recomputed_token_layers": "Of those token-layers, the ones the blend loop recomputed",
         "blend_fallbacks": "Requests whose blend claim was refused or fell back to the prefix",
         "blend_checks": "Blended requests re-checked against a full prefill (sampled)",
+        "rope_check_failed": (
+            "Workers whose start-up RoPE check turned position-independent reuse off"
+        ),
     }
     _HISTOGRAMS: ClassVar[dict[str, str]] = {
         "blend_kl": "KL(full prefill || blend) of a sampled blended request's answer (nats)",

@@ -38,7 +38,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -70,7 +70,8 @@ from nopecache.integrations.vllm.metadata import (
     slots_for,
 )
 from nopecache.integrations.vllm.quality import BlendCheck, QualityWatch
-from nopecache.recompute.gate import GateVerdict
+from nopecache.kernels.rope_check import EngineRotation, RopeCheck, check_positions, check_rope
+from nopecache.recompute.gate import DEFAULT_THRESHOLDS, GateVerdict
 from nopecache.recompute.selective import run_selective
 
 __all__ = ["PER_REQUEST_COUNTS", "WorkerSide", "layer_index"]
@@ -148,6 +149,9 @@ class WorkerSide:
         self.gate: GateVerdict | None = None  # the correctness gate's verdict (gate.py)
         self.quality: QualityWatch | None = None  # sampled blend checks (quality.py)
         self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
+        # Why position-independent store and load are off (None: on); rope_check.py.
+        self.pi_refused: str | None = None
+        self.rope_check: RopeCheck | None = None
 
     # -- set-up -----------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
@@ -227,6 +231,59 @@ class WorkerSide:
                 log.warning("nopecache: blend checks need a single rank; %d here", _ranks())
             else:
                 self.quality = QualityWatch(self.blend_model, self.config.blend_check_share)
+
+    @property
+    def rotates(self) -> bool:
+        """Whether this worker stores (``save``: content keys too) or loads
+        (``pi_reuse`` not ``off``) position-independent blocks, so its RoPE is checked."""
+        return self.config.save or (self.config.load and self.config.pi_reuse != "off")
+
+    def check_rope(
+        self, rotations: Callable[[], Mapping[str, EngineRotation | None]], max_len: int
+    ) -> RopeCheck | None:
+        """Check the connector's RoPE spec against every layer's own rotation (rope_check.py);
+        a mismatch, or a check that cannot run, turns position-independent reuse off."""
+        try:
+            found = rotations()
+            ordered = dict(sorted(found.items(), key=lambda item: layer_index(item[0])))
+            if len(ordered) != self.model.num_layers:
+                raise UnsupportedLayoutError(
+                    f"{len(ordered)} attention layers found, the model has {self.model.num_layers}"
+                )
+            check = check_rope(
+                ordered,
+                self.model.rope,
+                positions=check_positions(max_len),
+                kv_heads=self.model.rank_kv_heads,
+                dtype=self.model.dtype,
+                bound=DEFAULT_THRESHOLDS.for_dtype(self.model.dtype).max_rope_error,
+                device=self.caches[0].device if self.caches else "cpu",
+            )
+        except Exception as err:  # a model the check cannot reach costs PI reuse, not the engine
+            log.exception("nopecache: the RoPE check failed to run")
+            self.refuse_position_independent(
+                f"the RoPE check failed to run: {type(err).__name__}: {err}"
+            )
+            return None
+        self.rope_check = check
+        if check.passed:
+            log.info("nopecache: %s", check.summary())
+            return check
+        log.warning("nopecache: %s; every figure:\n%s", check.summary(), check.report())
+        self.refuse_position_independent(f"{check.summary()}; first: {check.failures[0]}")
+        return check
+
+    def refuse_position_independent(self, reason: str) -> None:
+        """Store and load exact prefixes only (the RoPE check refused the spec); counted."""
+        self.pi_refused = reason
+        with self._lock:
+            self._report.rope_check_failed += 1
+        log.warning(
+            "nopecache: position-independent reuse off in this worker, exact prefixes only (%s)",
+            reason,
+        )
+        if self.config.blend and self.blend_unavailable is None:
+            self.refuse_blend("position-independent reuse is off (the RoPE check)")
 
     def refuse_blend(self, reason: str) -> None:
         """Run without the layer loop: blend claims load their exact part only."""
@@ -452,6 +509,7 @@ class WorkerSide:
                     form="rope",
                     segments=self.config.segments(spec.tokens),
                     namespace=self.config.namespace,
+                    position_independent=self.pi_refused is None,
                     wait=False,
                 )
             except NopecacheError as err:
