@@ -46,9 +46,10 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      (keys and store/fetch rotation), e.g.
                                      {"rope_type": "linear", "factor": 2.0,
                                      "rope_theta": 100000}: for a model whose config
-                                     does not state the RoPE it runs. In blend mode the
-                                     correctness gate checks it against the model's own
-                                     rotary embedding (gate.py)
+                                     does not state the RoPE it runs. Checked at
+                                     start-up against every layer's own rotary
+                                     embedding like the config's (rope_check.py): a
+                                     mismatch turns position-independent reuse off
     blend_check_share
                  float  0.01         blend only: share of blended requests re-checked in
                                      the background against a full prefill, in [0, 1]

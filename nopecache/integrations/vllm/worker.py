@@ -18,7 +18,13 @@ must be in place before it. A hit that fails verification, a server that dies mi
 any error while placing marks the blocks it covers as failed loads: vLLM recomputes
 them (``get_block_ids_with_load_errors``), and nothing wrong is ever attended to.
 vLLM's K is post-RoPE, so blocks are stored with ``form="rope"`` at their positions:
-exact-prefix blocks stay bit-exact, position-independent ones are un-rotated once.
+exact-prefix blocks stay bit-exact, position-independent ones are un-rotated once, with
+the RoPE spec the start-up check found vLLM's own rotary modules to apply
+(``rope_check.py``; refused, the worker stores exact-prefix keys only). A save gathers
+its blocks on the cache's device and copies them once to (pinned, on CUDA) host memory
+(``KVLayout.blocks_to_host``). A save or load that raises is counted
+(``save_failures``, ``load_failures``) and never reaches vLLM: a failed save stores
+nothing, a failed load is a recompute.
 
 Tensor parallel: each rank holds ``num_kv_heads / tp`` heads and stores and fetches only
 those, as blocks of ``kv_head_group`` heads keyed per group (``client/head_groups.py``),
