@@ -517,6 +517,7 @@ class WorkerSide:
                     namespace=self.config.namespace,
                     position_independent=self.pi_refused is None,
                     wait=False,
+                    identity=spec.identity,
                 )
             except NopecacheError as err:
                 log.warning("nopecache store for %s refused: %s", spec.req_id, err)
