@@ -101,3 +101,18 @@ def test_rotation_error_is_the_figure() -> None:
     assert rotation_error(pre, post, pos, SPEC) == 0.0
     assert rotation_error(pre, pre, pos, SPEC) > 0.1
     assert RopeFigure("x", 1, 2e-3, 1e-3).passed is False
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_check_runs_on_the_device() -> None:
+    # A CUDA engine's layers rotate on the GPU; the spec's rotation runs the Triton kernel.
+    check = check_rope(
+        {"a": _as(SPEC)},
+        SPEC,
+        positions=(0, 1, 64, 127),
+        kv_heads=2,
+        dtype=torch.bfloat16,
+        bound=4 * 2**-7,
+        device="cuda",
+    )
+    assert check.passed, check.report()
