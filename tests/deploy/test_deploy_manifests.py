@@ -39,7 +39,13 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nopecache.cache_server.config import ENV_PREFIX, ServerConfig, env_name, load_config
+from nopecache.cache_server.config import (
+    ENV_PREFIX,
+    ServerConfig,
+    env_name,
+    load_config,
+    split_listen,
+)
 from nopecache.cache_server.service import server_version
 from nopecache.cache_server.sizes import parse_size
 from nopecache.cache_server.tiers import Tier, tier_from_url
@@ -297,9 +303,19 @@ def test_ports_and_probes_match_the_server_config(
     objs = rendered[name]
     config = server_config(objs, tmp_path)
     container = server_container(objs)
-    assert ports_by_name(container) == {"grpc": config.port, "metrics": config.metrics_port}
+    health_host, health_port = split_listen(config.health_listen, "health_listen")
+    assert health_host == "0.0.0.0" and health_port != config.port
+    assert ports_by_name(container) == {
+        "grpc": config.port,
+        "metrics": config.metrics_port,
+        "health": health_port,
+    }
+    # The probes ask the health listener, outside the gRPC port's caps (issue 36).
     probes = {k: container[k] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
-    assert {p["grpc"]["port"] for p in probes.values()} == {config.port}
+    assert {p["grpc"]["port"] for p in probes.values()} == {health_port}
+    # No token is configured: the Admin service listens on loopback only.
+    assert config.admin_listen == "127.0.0.1:50553"
+    assert not config.admin_auth_enabled and not config.auth_enabled
     service = find(objs, "Service", "nopecache-headless")
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is False
@@ -492,7 +508,9 @@ def test_network_policies_admit_engines_prometheus_and_servers_only(
     policy = find(objs, "NetworkPolicy", "nopecache")
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
-    assert set(rules) == set(ports)  # named ports: they resolve to the container's ports
+    # Named ports: they resolve to the container's ports. The health port has no rule: only
+    # the kubelet (not subject to the policy) may reach it, so no pod can hoard it.
+    assert set(rules) == set(ports) - {"health"}
     assert rules["grpc"] == [
         {"namespaceSelector": {}, "podSelector": {"matchLabels": ENGINE_LABEL}}
     ]

@@ -71,9 +71,12 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      engines of the same TP size
 
 Anything else, a wrong type or a bad value raises :class:`ConnectorConfigError` at
-start-up, naming the key. The model fingerprint (name, revision, layers, KV heads, head
-dim, KV dtype, RoPE spec) comes from vLLM's ``VllmConfig``, never from the user, so two
-engines share blocks exactly when they run the same model with the same KV dtype.
+start-up, naming the key. The model fingerprint comes from vLLM's ``VllmConfig``, never
+from the user: the model path or hub id (``--model``; the served name is only a label),
+the config's commit hash else ``--revision``, ``--quantization``, the text config as vLLM
+loaded it (digest), the local weight files (sampled digest), layers, KV heads, head dim,
+the KV cache dtype, and the RoPE vLLM applies at this engine's ``max_model_len``
+(``client/model_source.py``). Two engines share blocks exactly when all of them match.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ from nopecache.client.config import ClientConfig
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.head_groups import HeadGroup, rank_head_groups
+from nopecache.client.model_source import ModelSource
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.errors import ConnectorConfigError, UnsupportedEngineError
 from nopecache.integrations.vllm.events import DEFAULT_MEDIUM
@@ -367,16 +371,22 @@ class ModelIdentity:
         return self.fingerprint.torch_dtype
 
 
+# kv_cache_dtype names of unquantized caches. The KV's values depend on the dtype the
+# model computes in as well as on the cache's, so only a cache of the model's own dtype
+# (what "auto" picks) is served; fp8 KV and every other quantized cache are refused.
+_PLAIN_KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
     cache_dtype = compat.kv_cache_dtype(vllm_config)
-    if cache_dtype not in ("auto", None):
-        raise UnsupportedEngineError(
-            f"kv_cache_dtype={cache_dtype!r}: the connector stores unquantized KV only; "
-            "use kv_cache_dtype='auto'"
-        )
     dtype = compat.model_dtype(vllm_config)
     if not isinstance(dtype, torch.dtype):
         raise UnsupportedEngineError(f"model dtype {dtype!r} is not a torch.dtype")
+    if cache_dtype not in ("auto", None) and _PLAIN_KV_DTYPES.get(cache_dtype) != dtype:
+        raise UnsupportedEngineError(
+            f"kv_cache_dtype={cache_dtype!r}: the connector stores unquantized KV of the "
+            f"model's dtype ({dtype}) only; use kv_cache_dtype='auto'"
+        )
     return dtype
 
 
@@ -389,6 +399,24 @@ def _rope(vllm_config: VllmConfig, override: Mapping[str, Any] | None) -> RopeSp
         return RopeSpec.from_hf_config(merged)
     except (ValueError, TypeError, KeyError) as err:
         raise ConnectorConfigError("rope_override", str(err)) from None
+
+
+def _source(vllm_config: VllmConfig, rope: RopeSpec) -> ModelSource:
+    model = compat.model_path(vllm_config)
+    try:
+        return ModelSource.derive(
+            model=model,
+            revision=compat.model_revision(vllm_config),
+            quantization=compat.quantization(vllm_config),
+            text_config=compat.text_config_dict(vllm_config),
+            max_model_len=compat.max_model_len(vllm_config),
+            # What vLLM builds per layer type, and the spec's type (rope_override's).
+            rope_types_applied=[rope.scaling_type, *compat.rope_types(vllm_config)],
+        )
+    except InvalidArgumentError as err:
+        raise UnsupportedEngineError(f"cannot identify the model: {err}") from err
+    except OSError as err:
+        raise UnsupportedEngineError(f"cannot read the weight files of {model}: {err}") from err
 
 
 def model_identity(
@@ -430,10 +458,8 @@ def model_identity(
         raise UnsupportedEngineError(
             f"head size {head_dim} differs from the RoPE spec's head_dim {rope.head_dim}"
         )
-    name, revision = compat.served_model(vllm_config)
     fingerprint = ModelFingerprint.from_rope_spec(
-        model=name,
-        revision=revision,
+        **_source(vllm_config, rope).fingerprint_fields(),
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         dtype=_kv_dtype(vllm_config),
