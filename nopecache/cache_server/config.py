@@ -90,7 +90,8 @@ class ServerConfig:
         metadata=_opt(
             _URLS,
             "storage tier URL, fastest first; repeat for several (cuda://0?capacity=..., "
-            "cpu://?capacity=..., redis://host:port/db, rediss://..., redis+cluster://...)",
+            "cpu://?capacity=..., file:///dir?capacity=..., redis://host:port/db, rediss://..., "
+            "redis+cluster://...)",
             "URL",
         ),
     )

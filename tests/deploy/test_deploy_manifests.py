@@ -58,7 +58,7 @@ K8S = ROOT / "deploy" / "k8s"
 # The oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27).
 K8S_VERSION = "1.31"
 OVERLAYS = ("single", "cluster")
-COMPOSED = "cluster+gpu+servicemonitor"
+COMPOSED = "cluster+gpu+servicemonitor+disk"
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 ENGINE_LABEL = {"nopecache.io/client": "true"}
 SERVER_LABELS = {"app.kubernetes.io/name": "nopecache", "app.kubernetes.io/component": "server"}
@@ -87,7 +87,8 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
         "namespace": "nopecache",
         "resources": [os.path.relpath(K8S / "overlays" / "cluster", composed)],
         "components": [
-            os.path.relpath(K8S / "components" / c, composed) for c in ("gpu", "servicemonitor")
+            os.path.relpath(K8S / "components" / c, composed)
+            for c in ("gpu", "servicemonitor", "disk")
         ],
     }
     (composed / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
@@ -381,6 +382,31 @@ def test_tier_urls_build_and_memory_covers_the_cpu_tier(
     assert requests["memory"] == limits["memory"]
     # The pool is allocated whole, and one Put stream may hold max_request_bytes on top.
     assert k8s_bytes(limits["memory"]) >= cpu_bytes + config.max_request_bytes
+
+
+def test_disk_component_claims_a_volume_per_replica_mounted_where_the_tier_lives(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    sts = find(rendered[COMPOSED], "StatefulSet", "nopecache")
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "cache"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    storage = k8s_bytes(claim["spec"]["resources"]["requests"]["storage"])
+    (mount,) = [
+        m for m in server_container(rendered[COMPOSED])["volumeMounts"] if m["name"] == "cache"
+    ]
+    assert mount["mountPath"] == "/var/cache/nopecache" and not mount.get("readOnly")
+    # The server runs as a non-root user: the claim is writable through the pod's fsGroup.
+    assert sts["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
+    assert (
+        "volumeClaimTemplates" not in find(rendered["cluster"], "StatefulSet", "nopecache")["spec"]
+    )
+    # The tier URL the component documents fits its claim and builds (on a small scale).
+    doc = (K8S / "components" / "disk" / "kustomization.yaml").read_text()
+    match = re.search(r'"(file://(/var/cache/nopecache)\?capacity=([^"&]+))"', doc)
+    assert match is not None
+    assert parse_size(match[3], field="capacity") <= 0.9 * storage
+    _close(tier_from_url(match[1].replace(match[2], str(tmp_path)).replace(match[3], "1MiB")))
 
 
 def test_single_is_one_replica_over_one_redis(
