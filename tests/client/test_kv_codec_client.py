@@ -14,9 +14,10 @@ import torch
 
 from nopecache.client import ClientConfig, ModelFingerprint, content_chunks
 from nopecache.client.chunking import FixedChunker
+from nopecache.client.cuda_arena import DeviceBlob, decode_device_block
 from nopecache.client.keys import prefix_chunks
 from nopecache.proto import cache_pb2_grpc
-from nopecache.proto.block import StoredForm, decode_block, validate
+from nopecache.proto.block import StoredForm, decode_block, encode_block, validate
 from nopecache.proto.kv_codec import E4M3_MAX
 from tests.support.client_harness import (
     CHUNKER,
@@ -129,3 +130,25 @@ def test_the_server_holds_and_serves_the_compact_bytes_as_the_client_made_them(
         # 16 tokens x 2 layers x 2 heads x (8 + 8) fp8 bytes + 2 x 2 x 2 fp32 scales
         assert header.payload_nbytes == 16 * 2 * 2 * 16 + 2 * 2 * 2 * 4
         assert decode_block(blob).k.dtype == torch.float32
+
+
+@pytest.mark.parametrize("codec", ["fp8", "k16v8"])
+def test_the_device_decode_path_gives_what_decode_block_gives(codec: str) -> None:
+    # decode_device_block reads the header on the host and decodes the payload where it
+    # lies (a GPU pool in production; CPU tensors here, in two runs, as a pool lends them).
+    k, v = kv(16, seed=4, dtype=torch.bfloat16)
+    b = encode_block(
+        key=b"k" * 16,
+        fingerprint=b"fp",
+        form=StoredForm.NOPE,
+        k=k,
+        v=v,
+        token_ids=range(16),
+        codec=codec,
+    )
+    raw = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    got = decode_device_block(DeviceBlob([raw[:100], raw[100:]]), expect_key=b"k" * 16)
+    want = decode_block(b)
+    assert got.header == want.header and got.header.codec == codec
+    assert torch.equal(got.k, want.k) and got.v is not None and want.v is not None
+    assert torch.equal(got.v, want.v)
