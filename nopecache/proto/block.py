@@ -727,6 +727,7 @@ def decode_block(
     expect_fingerprint: bytes | None = None,
     expect_tokens: Sequence[int] | None = None,
     payload_xxh3: int | None = None,
+    decode_on: Any = None,
 ) -> DecodedBlock:
     """Verify a blob against what the caller expects and return K/V tensors viewing it.
 
@@ -742,7 +743,9 @@ def decode_block(
     is writable (bytearray, a writable memoryview such as shared memory); for a read-only
     ``blob`` (bytes) they are read-only by contract, as torch cannot flag them: copy
     before writing. lz4 blocks decode into a fresh read-only buffer. A compact block
-    (``codec`` not "none") decodes into fresh tensors of its ``dtype`` (``kv_codec.py``).
+    (``codec`` not "none") decodes into fresh tensors of its ``dtype`` (``kv_codec.py``),
+    on ``decode_on`` when given (a torch device: its compact bytes are copied there and
+    decoded there, e.g. on the GPU that places them, on its current stream).
     """
     import torch
 
@@ -752,6 +755,8 @@ def decode_block(
     dtype = getattr(torch, header.dtype)
     if header.codec != "none":
         raw = _frombuffer(payload, torch.uint8, header.payload_nbytes, 0)
+        if decode_on is not None:
+            raw = raw.to(decode_on)
         k, v = decode_payload(header.codec, raw, dtype, header.shape, header.v_head_dim)
         return DecodedBlock(header=header, k=k, v=v)
     itemsize = DTYPE_ITEMSIZE[header.dtype]

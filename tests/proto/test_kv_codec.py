@@ -185,3 +185,12 @@ def test_encode_and_decode_parts_on_their_own() -> None:
     q, scale = expected_q(k)
     assert torch.equal(dk, q.float() * scale[:, None, :, None])
     assert dv is not None and dv.dtype == torch.float32
+
+
+def test_a_compact_block_decodes_on_the_device_it_is_placed_on() -> None:
+    # The fetch path passes the GPU it places on; "meta" stands in for it here: the
+    # compact bytes go there and the arithmetic runs there, not on the host.
+    block = decode_block(blob("fp8", *known_kv()), decode_on="meta")
+    assert block.k.device.type == "meta" and block.v is not None
+    assert block.v.device.type == "meta"
+    assert block.k.dtype == torch.bfloat16 and tuple(block.k.shape) == (L, T, H, D)
