@@ -76,6 +76,7 @@ from nopecache.cache_server.faults import FaultInjector
 from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.pins import PinTable
+from nopecache.cache_server.progress import ProgressRule
 from nopecache.cache_server.refusal import Refusal, bad_request
 from nopecache.cache_server.removals import RemovalFeed
 from nopecache.cache_server.shm import ShmSessions
@@ -148,6 +149,7 @@ class KVCacheService:
             config.max_inflight_bytes,
             config.max_inflight_bytes_per_client,
             config.stream_idle_timeout_s,
+            ProgressRule(config.min_stream_rate, config.min_rate_window_s),
         )
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
@@ -251,7 +253,13 @@ class KVCacheService:
                 def credit() -> int:  # a frame of an open block comes on its reservation
                     return 0 if intake.partial is not None else most
 
-                frames = lease.paced(request_iterator, credit, "PutFrame: the next frame")
+                def expect() -> int:  # the largest frame the client may be sending now
+                    partial = intake.partial
+                    if partial is None:
+                        return most
+                    return min(most, partial.total_size - partial.filled)
+
+                frames = lease.paced(request_iterator, credit, "PutFrame: the next frame", expect)
                 async for raw in frames:
                     try:
                         key, size, data = decode_put_frame(raw)
@@ -282,9 +290,11 @@ class KVCacheService:
         lease.close_on_stall(frames)
         try:
             async for frame in frames:
-                lease.begin_wait()
+                # gRPC shows no progress inside a frame: the reader has the frame's size at
+                # the minimum rate to take it (progress.py).
+                lease.begin_wait(len(frame))
                 await context.write(frame)
-                lease.end_wait()
+                lease.end_wait(len(frame))
                 if lease.stalled:
                     break
         except Refusal as cut:

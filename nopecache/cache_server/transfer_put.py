@@ -242,9 +242,10 @@ class PutIntake:
                 ),
             )
         # Whole blocks, not frames: streams holding parts of blocks could fill the budget
-        # with none of them able to finish one. A stream that then sends nothing loses
-        # the room when others need it (InflightBudget.reclaim_idle).
+        # with none of them able to finish one. A stream that then falls behind the
+        # minimum rate, or is silent while others need the room, is cut (progress.py).
         await self._lease.reserve_block(size, words.block.format(position=position))
+        self._lease.begin_block(size)
         self.results.append(BlockResult(key))
         if position % YIELD_EVERY_BLOCKS == YIELD_EVERY_BLOCKS - 1:
             await asyncio.sleep(0)  # many tiny blocks must not hold the loop
@@ -259,6 +260,7 @@ class PutIntake:
                 raise bad_framing("PutFrame.key: the first frame of a block must carry its key")
             if partial.add(data):
                 self.partial = None
+                self._lease.end_block()
                 await self.complete(partial.key, memoryview(partial.blob()))
             return
         if partial is not None:
@@ -270,6 +272,7 @@ class PutIntake:
         position = await self.open_block(key, size)
         if len(data) == size:
             # The common case, a block in one frame: kept as a view of the message.
+            self._lease.end_block()
             await self.complete(key, data)
         elif len(data) > size:
             raise bad_framing(
