@@ -40,6 +40,7 @@ __all__ = [
     "env_name",
     "flag_name",
     "load_config",
+    "split_listen",
 ]
 
 ENV_PREFIX = "NOPECACHE_"
@@ -93,7 +94,8 @@ class ServerConfig:
         metadata=_opt(
             _URLS,
             "storage tier URL, fastest first; repeat for several (cuda://0?capacity=..., "
-            "cpu://?capacity=..., redis://host:port/db, rediss://..., redis+cluster://...)",
+            "cpu://?capacity=..., file:///dir?capacity=..., redis://host:port/db, rediss://..., "
+            "redis+cluster://...)",
             "URL",
         ),
     )
@@ -219,6 +221,34 @@ class ServerConfig:
             "admin bearer tokens inline, separated by ';' or newlines (prefer the environment "
             "variable or the file: flags show in ps)",
             "SPEC",
+        ),
+    )
+    admin_listen: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "where the Admin service (flush, drain, quotas) listens: '' (auto: on the gRPC "
+            "port when a token is configured or host is 127.0.0.1/::1/localhost, else off), "
+            "'port' (on the gRPC port, even open), 'off', or HOST:PORT (a listener of its "
+            "own; 0 picks a free port); open without tokens beyond loopback logs a warning",
+            "WHERE",
+        ),
+    )
+    health_listen: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "HOST:PORT of a listener serving grpc.health.v1 only, outside the gRPC port's "
+            "connection and call caps (point probes at it); '' for none",
+            "HOST:PORT",
+        ),
+    )
+    max_health_watches_per_peer: int = field(
+        default=2,
+        metadata=_opt(
+            _INT,
+            "Health.Watch streams one address may hold open (each listener); more are "
+            "refused RESOURCE_EXHAUSTED",
         ),
     )
     pin_max_ttl_s: float = field(
@@ -454,6 +484,14 @@ class ServerConfig:
             value = getattr(self, name)
             if not 0.001 <= value <= 86400:
                 raise ConfigError(f"{name}: must be in [0.001, 86400] seconds, got {value}")
+        if self.admin_listen not in ("", "port", "off"):
+            split_listen(self.admin_listen, "admin_listen")
+        if self.health_listen:
+            split_listen(self.health_listen, "health_listen")
+        if self.max_health_watches_per_peer < 1:
+            raise ConfigError(
+                f"max_health_watches_per_peer: must be >= 1, got {self.max_health_watches_per_peer}"
+            )
         if self.max_streams_per_client < 1:
             raise ConfigError(
                 f"max_streams_per_client: must be >= 1, got {self.max_streams_per_client}"
@@ -491,6 +529,15 @@ class ServerConfig:
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
         ]
+
+
+def split_listen(value: str, option: str) -> tuple[str, int]:
+    """(host, port) of a ``HOST:PORT`` option value (``[::1]:PORT`` for IPv6)."""
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{option}: expected HOST:PORT (port in [0, 65535]), got {value!r}")
+    return host, int(port)
 
 
 def flag_name(field_name: str) -> str:

@@ -39,7 +39,13 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nopecache.cache_server.config import ENV_PREFIX, ServerConfig, env_name, load_config
+from nopecache.cache_server.config import (
+    ENV_PREFIX,
+    ServerConfig,
+    env_name,
+    load_config,
+    split_listen,
+)
 from nopecache.cache_server.service import server_version
 from nopecache.cache_server.sizes import parse_size
 from nopecache.cache_server.tiers import Tier, tier_from_url
@@ -52,7 +58,7 @@ K8S = ROOT / "deploy" / "k8s"
 # The oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27).
 K8S_VERSION = "1.31"
 OVERLAYS = ("single", "cluster")
-COMPOSED = "cluster+gpu+servicemonitor"
+COMPOSED = "cluster+gpu+servicemonitor+disk"
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 ENGINE_LABEL = {"nopecache.io/client": "true"}
 SERVER_LABELS = {"app.kubernetes.io/name": "nopecache", "app.kubernetes.io/component": "server"}
@@ -81,7 +87,8 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
         "namespace": "nopecache",
         "resources": [os.path.relpath(K8S / "overlays" / "cluster", composed)],
         "components": [
-            os.path.relpath(K8S / "components" / c, composed) for c in ("gpu", "servicemonitor")
+            os.path.relpath(K8S / "components" / c, composed)
+            for c in ("gpu", "servicemonitor", "disk")
         ],
     }
     (composed / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
@@ -297,9 +304,19 @@ def test_ports_and_probes_match_the_server_config(
     objs = rendered[name]
     config = server_config(objs, tmp_path)
     container = server_container(objs)
-    assert ports_by_name(container) == {"grpc": config.port, "metrics": config.metrics_port}
+    health_host, health_port = split_listen(config.health_listen, "health_listen")
+    assert health_host == "0.0.0.0" and health_port != config.port
+    assert ports_by_name(container) == {
+        "grpc": config.port,
+        "metrics": config.metrics_port,
+        "health": health_port,
+    }
+    # The probes ask the health listener, outside the gRPC port's caps (issue 36).
     probes = {k: container[k] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
-    assert {p["grpc"]["port"] for p in probes.values()} == {config.port}
+    assert {p["grpc"]["port"] for p in probes.values()} == {health_port}
+    # No token is configured: the Admin service listens on loopback only.
+    assert config.admin_listen == "127.0.0.1:50553"
+    assert not config.admin_auth_enabled and not config.auth_enabled
     service = find(objs, "Service", "nopecache-headless")
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is False
@@ -365,6 +382,31 @@ def test_tier_urls_build_and_memory_covers_the_cpu_tier(
     assert requests["memory"] == limits["memory"]
     # The pool is allocated whole, and one Put stream may hold max_request_bytes on top.
     assert k8s_bytes(limits["memory"]) >= cpu_bytes + config.max_request_bytes
+
+
+def test_disk_component_claims_a_volume_per_replica_mounted_where_the_tier_lives(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    sts = find(rendered[COMPOSED], "StatefulSet", "nopecache")
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "cache"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    storage = k8s_bytes(claim["spec"]["resources"]["requests"]["storage"])
+    (mount,) = [
+        m for m in server_container(rendered[COMPOSED])["volumeMounts"] if m["name"] == "cache"
+    ]
+    assert mount["mountPath"] == "/var/cache/nopecache" and not mount.get("readOnly")
+    # The server runs as a non-root user: the claim is writable through the pod's fsGroup.
+    assert sts["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
+    assert (
+        "volumeClaimTemplates" not in find(rendered["cluster"], "StatefulSet", "nopecache")["spec"]
+    )
+    # The tier URL the component documents fits its claim and builds (on a small scale).
+    doc = (K8S / "components" / "disk" / "kustomization.yaml").read_text()
+    match = re.search(r'"(file://(/var/cache/nopecache)\?capacity=([^"&]+))"', doc)
+    assert match is not None
+    assert parse_size(match[3], field="capacity") <= 0.9 * storage
+    _close(tier_from_url(match[1].replace(match[2], str(tmp_path)).replace(match[3], "1MiB")))
 
 
 def test_single_is_one_replica_over_one_redis(
@@ -492,7 +534,9 @@ def test_network_policies_admit_engines_prometheus_and_servers_only(
     policy = find(objs, "NetworkPolicy", "nopecache")
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
-    assert set(rules) == set(ports)  # named ports: they resolve to the container's ports
+    # Named ports: they resolve to the container's ports. The health port has no rule: only
+    # the kubelet (not subject to the policy) may reach it, so no pod can hoard it.
+    assert set(rules) == set(ports) - {"health"}
     assert rules["grpc"] == [
         {"namespaceSelector": {}, "podSelector": {"matchLabels": ENGINE_LABEL}}
     ]

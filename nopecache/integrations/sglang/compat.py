@@ -1,6 +1,7 @@
 """Everything that reads SGLang's internals (0.5.23): host pool classes, storage config,
-the model config, metrics. The rest of the package sees only :class:`PoolGeometry`,
-:class:`PageIdentity` and :class:`~nopecache.client.model_source.ModelSource`.
+the model config, the start-up LoRA adapters, metrics. The rest of the package sees
+only :class:`PoolGeometry`, :class:`PageIdentity`,
+:class:`~nopecache.client.model_source.ModelSource` and plain values.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from nopecache.integrations.sglang.config import SGLangConfigError
 from nopecache.integrations.sglang.identity import PageIdentity
 from nopecache.integrations.sglang.pages import PoolGeometry
 
-__all__ = ["model_config", "model_source", "page_identity", "pool_geometry", "storage_metrics"]
+__all__ = [
+    "model_config",
+    "model_source",
+    "page_identity",
+    "pool_geometry",
+    "startup_adapters",
+    "storage_metrics",
+]
 
 
 def pool_geometry(pool: Any) -> PoolGeometry:
@@ -129,6 +137,38 @@ def model_source(config: Any, model: str | None) -> ModelSource:
 def model_dtype(config: Any) -> str:
     """The dtype SGLang computes the model in (``"bfloat16"``)."""
     return str(config.dtype).removeprefix("torch.")
+
+
+def startup_adapters() -> list[tuple[str, str]]:
+    """``(name, path)`` of the LoRA adapters SGLang loads at start-up (``--lora-paths``), from
+    the configuration its launcher published in this process; [] when LoRA is off or none
+    is published (a backend built outside a server)."""
+    from sglang.srt.lora.lora_registry import LoRARef
+    from sglang.srt.runtime_context import get_lora
+
+    try:
+        lora = get_lora()
+        enabled, paths = lora.enable_lora, lora.lora_paths
+    except ValueError:  # "config namespace 'lora' not published"
+        return []
+    # SGLang's rule (arg_groups/lora_hook.py): unset means on when paths are given.
+    if not paths or not (enabled or enabled is None):
+        return []
+    entries = list(paths.items()) if isinstance(paths, dict) else list(paths)
+    adapters: list[tuple[str, str]] = []
+    for entry in entries:
+        if isinstance(entry, LoRARef):
+            adapters.append((str(entry.lora_name), str(entry.lora_path)))
+        elif isinstance(entry, tuple):
+            adapters.append((str(entry[0]), str(entry[1])))
+        elif isinstance(entry, dict):
+            adapters.append((str(entry["lora_name"]), str(entry["lora_path"])))
+        elif isinstance(entry, str):
+            name, sep, path = entry.partition("=")
+            adapters.append((name, path) if sep else (entry, entry))
+        else:
+            raise ValueError(f"--lora-paths entry {entry!r} is not one SGLang 0.5.23 accepts")
+    return adapters
 
 
 def storage_metrics(
