@@ -282,6 +282,11 @@ class PutIntake:
         else:
             self.partial = PartialBlock(key, size, data, position)
 
+    def drop(self) -> None:
+        """Let go of every block held (the request is over unstored)."""
+        self.partial = None
+        self.staged.clear()
+
     def end_of_frames(self) -> None:
         """The frame stream ended: raises Refusal if it ended inside a block."""
         partial = self.partial
