@@ -308,7 +308,14 @@ async def start_server(
             if credentials is None:
                 port = server.add_insecure_port(target)
                 # Plaintext: Get payloads may also take the bulk byte stream (bulk.py).
-                service.offer_bulk(config.host)
+                bulk = service.offer_bulk(config.host)
+                if config.bulk_listen:
+                    try:
+                        bulk.listen()
+                    except OSError as e:
+                        raise ConfigError(
+                            f"bulk_listen: cannot listen on {config.bulk_listen}: {e}"
+                        ) from e
             else:
                 port = server.add_secure_port(target, credentials)
         except RuntimeError as e:  # gRPC says only "Failed to bind": the probe above did not
