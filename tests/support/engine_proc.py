@@ -396,9 +396,9 @@ def _prompts(command: dict[str, Any]) -> tuple[list[Any], list[Any] | None]:
             size = tuple(ident["image_size"])
             fields["multi_modal_data"] = {"image": seeded_image(ident["image_seed"], size)}
         if isinstance(prompt, str):
-            prompts.append(TextPrompt(prompt=prompt, **fields))  # type: ignore[typeddict-item]
+            prompts.append(TextPrompt(prompt=prompt, **fields))  # type: ignore[typeddict-item,unused-ignore]
         else:
-            prompts.append(TokensPrompt(prompt_token_ids=prompt, **fields))  # type: ignore[typeddict-item]
+            prompts.append(TokensPrompt(prompt_token_ids=prompt, **fields))  # type: ignore[typeddict-item,unused-ignore]
         path = ident.get("lora")
         if path is None:
             loras.append(None)

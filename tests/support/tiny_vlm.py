@@ -93,7 +93,7 @@ def write_tiny_vlm(out: Path, tokenizer_dir: Path) -> Path:
     tmp.mkdir(parents=True)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     tok.add_special_tokens({"additional_special_tokens": _SPECIAL})
-    image_token = tok.convert_tokens_to_ids("<image>")
+    image_token = int(tok.convert_tokens_to_ids("<image>"))  # type: ignore[arg-type,unused-ignore]
     vocab = len(tok)
     config = Idefics3Config(**_config(vocab, image_token))
     config.architectures = ["Idefics3ForConditionalGeneration"]
