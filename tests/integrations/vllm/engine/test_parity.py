@@ -13,7 +13,8 @@ module (each start costs ~30 s of CI); one server serves them all:
           and a connector engine
 
 Tests, in order:
-  1. mixed identities in flight together (adapters A, B and none; salts s1, s2 and none):
+  1. mixed identities in flight together (adapters A, B and none; salts s1, s2 and none;
+     adapter requests apart from the others, a vLLM CPU limit: tests/support/parity_traffic):
      outputs equal the reference; every claim is exactly the same-identity prefix stored
      (salt s2, never stored, claims nothing).
   2. the same traffic with the server injecting faults into the blocks it sends: outputs
@@ -40,6 +41,7 @@ from tests.support.parity_traffic import (
     Request,
     expected_claim,
     identities,
+    run_round,
     serve_round,
     store_round,
 )
@@ -73,12 +75,8 @@ def _metric(engine: EngineProc, name: str) -> float:
 
 
 def _run(engine: EngineProc, requests: list[Request]) -> list[dict[str, Any]]:
-    """All requests in one generate call: in flight together, one engine step batch."""
-    return engine.generate_many(
-        [r.prompt for r in requests],
-        max_tokens=MAX_TOKENS,
-        identities=[r.identity for r in requests],
-    )
+    """The requests in flight together (adapter ones apart, see parity_traffic)."""
+    return run_round(engine, requests, MAX_TOKENS)
 
 
 def _mismatches(
@@ -132,7 +130,7 @@ def test_mixed_identities_match_the_reference(
     state.update(ref=ref, e1=e1, e2=e2, stored=stored, served=served, refs=refs_served)
     # The traffic has teeth: adapters A, B and none answer the same prompt differently.
     teeth = [Request(prompts[0], Identity(lora=a)) for a in (None, *adapters)]
-    answers = [tuple(o["ids"]) for o in _run(ref, teeth)]
+    answers = [tuple(_run(ref, [r])[0]["ids"]) for r in teeth]
     assert len(set(answers)) == 3, answers
 
     assert _mismatches(stored, _run(e1, stored), refs_stored) == []
