@@ -26,6 +26,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nopecache.cache_server.faults import FaultSpec, FaultSpecError, parse_fault_spec
 from nopecache.proto.contract import DEFAULT_PORT
 from nopecache.proto.sizes import SizeError, format_size, parse_size
 
@@ -60,6 +61,7 @@ class ConfigError(ValueError):
 
 # Kinds of option value; each converts a raw value (str from flags/env, native from TOML).
 _STR, _INT, _FLOAT, _BOOL, _SIZE, _URLS = "str", "int", "float", "bool", "size", "urls"
+_FAULTS = "faults"
 
 
 def _opt(kind: str, help_text: str, metavar: str | None = None) -> dict[str, str | None]:
@@ -324,7 +326,24 @@ class ServerConfig:
         ),
     )
 
+    # -- testing and staging only (faults.py, docs/operations.md) ------------------------------
+    fault_injection: FaultSpec | None = field(
+        default=None,
+        metadata=_opt(
+            _FAULTS,
+            "TESTING AND STAGING ONLY: damage a seeded share of the blocks Get, the bulk "
+            "stream and zero copy send (never what is stored), e.g. 'seed=7,rate=0.2,"
+            "kinds=flip,truncate,drop,delay,delay_ms=50'; kinds: flip_payload, flip_header, "
+            "flip, truncate, drop, delay; 'off' to disable",
+            "SPEC",
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if self.fault_injection is not None and not isinstance(self.fault_injection, FaultSpec):
+            raise ConfigError(
+                f"fault_injection: must be a FaultSpec or None, got {self.fault_injection!r}"
+            )
         if not 0 < self.zero_copy_share <= 0.5:
             raise ConfigError(
                 f"zero_copy_share: must be in (0, 0.5] (the tier lends at most half its "
@@ -458,6 +477,10 @@ def env_name(field_name: str) -> str:
 def _convert(kind: str, raw: Any, where: str) -> Any:
     """A raw option value (str from flags/env, native from TOML) as the field's type."""
     try:
+        if kind == _FAULTS:
+            if not isinstance(raw, str):
+                raise ConfigError(f"{where}: expected a string like 'seed=7,rate=0.2', got {raw!r}")
+            return parse_fault_spec(raw)
         if kind == _SIZE:
             return parse_size(raw, field=where)
         if kind == _URLS:
@@ -485,6 +508,8 @@ def _convert(kind: str, raw: Any, where: str) -> Any:
         return raw
     except SizeError as e:
         raise ConfigError(str(e)) from e
+    except FaultSpecError as e:
+        raise ConfigError(f"{where}: {e}") from e
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
@@ -545,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
         shown = format_size(default) if kind == _SIZE and isinstance(default, int) else default
         if kind == _URLS and isinstance(default, tuple):
             shown = " ".join(default)
+        if kind == _FAULTS:
+            shown = "off"
         help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default: {shown}]"
         if kind == _BOOL:
             parser.add_argument(

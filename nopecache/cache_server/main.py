@@ -193,6 +193,12 @@ async def start_server(
         log.warning(
             "auth is on without TLS on %s: bearer tokens cross the network in clear", config.host
         )
+    if config.fault_injection is not None:
+        log.warning(
+            "FAULT INJECTION IS ON (%s): this server damages, drops and delays blocks it "
+            "sends on purpose; for testing and staging only, never in production",
+            config.fault_injection,
+        )
     metrics = ServerMetrics(version=server_version())
     gate = RequestGate(
         SERVICE_NAME,

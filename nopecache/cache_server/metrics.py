@@ -25,6 +25,8 @@ Exposed families (counters carry Prometheus' ``_total`` suffix)::
     nopecache_corrupt_blocks_total{tier}            damaged values found (deleted, never served)
     nopecache_auth_failures_total{reason}           calls refused UNAUTHENTICATED: missing /
                                                     malformed / invalid token
+    nopecache_faults_injected_total{kind,path}      faults injected on a read path (testing and
+                                                    staging only: faults.py)
     nopecache_tenant_requests_total{tenant,method}  admitted RPCs per tenant
     nopecache_tenant_rejected_total{tenant,reason}  refused requests and blocks per tenant
     nopecache_tenant_put_bytes_total{tenant}        block bytes received by Put per tenant
@@ -80,6 +82,7 @@ METRIC_NAMES = (
     "nopecache_server_info",
     "nopecache_corrupt_blocks_total",
     "nopecache_auth_failures_total",
+    "nopecache_faults_injected_total",
     "nopecache_tenant_requests_total",
     "nopecache_tenant_rejected_total",
     "nopecache_tenant_put_bytes_total",
@@ -213,6 +216,12 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        self._faults = Counter(
+            "nopecache_faults_injected",
+            "Faults injected on purpose (--fault-injection), by kind and read path",
+            ["kind", "path"],
+            registry=r,
+        )
         self._tenant_requests = Counter(
             "nopecache_tenant_requests",
             "RPCs admitted, by tenant and method",
@@ -331,6 +340,10 @@ class ServerMetrics:
     def auth_failure(self, reason: str) -> None:
         """A call was refused UNAUTHENTICATED for ``reason`` (missing/malformed/invalid)."""
         self._auth_failures.labels(reason).inc()
+
+    def fault_injected(self, kind: str, path: str) -> None:
+        """Count one fault injected on a read path (faults.py)."""
+        self._faults.labels(kind, path).inc()
 
     def tenant_request(self, tenant: str, method: str) -> None:
         """``tenant`` made an admitted ``method`` call."""

@@ -53,6 +53,7 @@ are passed to the server by ``main.start_server``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -71,6 +72,7 @@ from nopecache.cache_server.calls import (
 )
 from nopecache.cache_server.codes import STATUS, put_reply
 from nopecache.cache_server.config import ServerConfig
+from nopecache.cache_server.faults import FaultInjector
 from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.pins import PinTable
@@ -150,8 +152,17 @@ class KVCacheService:
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
         # Same-host zero copy (zero_copy.py): offered to the only tenant (offer_zero_copy).
+        # Testing and staging only: faults on the read paths (faults.py).
+        self.faults = (
+            None
+            if config.fault_injection is None
+            else FaultInjector(config.fault_injection, metrics.fault_injected)
+        )
         self.zero_copy = ZeroCopy(
-            store, share=config.zero_copy_share, ttl_s=config.zero_copy_lease_ttl_s
+            store,
+            share=config.zero_copy_share,
+            ttl_s=config.zero_copy_lease_ttl_s,
+            faults=self.faults,
         )
         self.offer_zero_copy(() if config.auth_enabled else (ANONYMOUS.name,))
         # The bulk byte stream (bulk.py), offered by plaintext servers (offer_bulk).
@@ -165,7 +176,9 @@ class KVCacheService:
         self.puts = PutRules(store, config, metrics, self.quotas, self.verifier)
         # The server's pins (Admin.Pin); a deleted block loses its pin.
         self.pins: PinTable | None = None
-        self.gets = GetRules(store, config, metrics, self._codes, self.inflight.share_bytes)
+        self.gets = GetRules(
+            store, config, metrics, self._codes, self.inflight.share_bytes, self.faults
+        )
         self._info = pb.ServerInfo(
             version=server_version(),
             api_version=API_VERSION,
@@ -432,6 +445,8 @@ class KVCacheService:
             grant = self.zero_copy.grant(tenant.name, request.arena, keys)
         except Refusal as r:
             await self._abort(context, "LeaseGet", r)
+        if grant.delay_s:  # an injected fault (faults.py)
+            await asyncio.sleep(grant.delay_s)
         codes = self._codes
         counts, runs = pack_runs(grant.runs)
         return pb.LeaseGetReply(

@@ -17,7 +17,9 @@ caller's lease of the in-flight budget (``inflight.py``), two ways:
   reserved in the lease while it is sent.
 
 The codecs (``service.py``, ``bulk.py``) turn each entry into their frames; bytes sent
-are counted here once the last entry is taken.
+are counted here once the last entry is taken. With fault injection on (``faults.py``,
+testing and staging only) each hit passes ``FaultInjector.tamper`` on its way out: it
+may be delayed, answered as a miss, or replaced by a damaged copy (never the stored bytes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import AsyncGenerator, Sequence
 import numpy as np
 
 from nopecache.cache_server.config import ServerConfig
+from nopecache.cache_server.faults import FaultInjector
 from nopecache.cache_server.inflight import Lease
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.refusal import bad_request, over_limit
@@ -67,10 +70,13 @@ class GetRules:
         metrics: ServerMetrics,
         codes: dict[str | None, int],
         share_bytes: int,
+        faults: FaultInjector | None = None,
     ) -> None:
         """Rules reading ``store``; ``codes`` numbers the tiers (a miss is 0),
-        ``share_bytes`` is one client's share of the in-flight budget."""
+        ``share_bytes`` is one client's share of the in-flight budget; ``faults``: what
+        damages sent blocks (testing only; None: nothing)."""
         self._store = store
+        self._faults = faults
         self._metrics = metrics
         self._max_keys = config.max_keys_per_request
         self._codes = codes
@@ -118,6 +124,12 @@ class GetRules:
                     yield index, 0, None
                     continue
                 blob, tier = item
+                if self._faults is not None:
+                    tampered = await self._faults.tamper("get", blob)
+                    if tampered is None:
+                        yield index, 0, None
+                        continue
+                    blob = tampered
                 sent += len(blob)
                 hits += 1
                 yield index, codes[tier], blob
@@ -142,6 +154,12 @@ class GetRules:
                     yield index, 0, None
                     continue
                 blob, tier = found
+                if self._faults is not None:
+                    tampered = await self._faults.tamper("get", blob)
+                    if tampered is None:
+                        yield index, 0, None
+                        continue
+                    blob = tampered
                 await lease.reserve(len(blob), "GetFrame")
                 sent += len(blob)
                 hits += 1
@@ -150,10 +168,17 @@ class GetRules:
                 continue
             tier_lease, tier = lent
             try:
+                views: list[memoryview] | bytes = tier_lease.views
+                if self._faults is not None:
+                    out = await self._faults.tamper("get", views)
+                    if out is None:
+                        yield index, 0, None
+                        continue
+                    views = out  # the pages, or a damaged copy of them
                 await lease.reserve(tier_lease.size, "GetFrame")
                 sent += tier_lease.size
                 hits += 1
-                yield index, self._codes[tier], tier_lease.views
+                yield index, self._codes[tier], views
             finally:
                 tier_lease.release()
                 lease.release()
@@ -177,13 +202,14 @@ class GetRules:
                 try:
                     await lease.reserve(tier_lease.size, "bulk GET")
                     buffer.parts = tier_lease.views
-                    yield self._codes[tier], tier_lease.size
+                    size = await self._tamper_bulk(buffer, tier_lease.size)
+                    yield (self._codes[tier] if size else 0), size
                 finally:
                     buffer.parts = []
                     tier_lease.release()
                     lease.release()
-                sent += tier_lease.size
-                hits += 1
+                sent += size
+                hits += size > 0  # 0: dropped by an injected fault
                 continue
             found = await self._store.get_into(key, memoryview(buffer.data))
             if found is not None and found[0] > len(buffer.data):
@@ -199,12 +225,27 @@ class GetRules:
             size, tier = found
             await lease.reserve(size - lease.held_bytes, "bulk GET")
             buffer.parts = [memoryview(buffer.data)[:size]]
-            yield self._codes[tier], size
+            size = await self._tamper_bulk(buffer, size)
+            yield (self._codes[tier] if size else 0), size
             buffer.parts = []
             lease.release()
             sent += size
-            hits += 1
+            hits += size > 0
         self._count(tenant, sent, hits, len(keys) - hits)
+
+    async def _tamper_bulk(self, buffer: SendBuffer, size: int) -> int:
+        """The size of the block to send from ``buffer`` once faults had their turn: 0
+        (``parts`` emptied) for a drop, a damaged copy's size (``parts`` now views it)."""
+        if self._faults is None:
+            return size
+        tampered = await self._faults.tamper("bulk", buffer.parts)
+        if tampered is None:
+            buffer.parts = []
+            return 0
+        if isinstance(tampered, bytes):  # a damaged copy, never the pages or the buffer
+            buffer.parts = [memoryview(tampered)]
+            return len(tampered)
+        return size
 
     def _count(self, tenant: Tenant, sent: int, hits: int, misses: int) -> None:
         self._metrics.get_bytes(sent)

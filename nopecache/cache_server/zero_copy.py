@@ -41,6 +41,11 @@ out of the free stack (``PageTable.release``), so they are never rewritten under
 Client leases hold at most ``zero_copy_share`` of the pool (besides the tier's own
 ``lease_share`` for all leases): keys past it are answered "not leased" and the client
 fetches them with Get (the copying paths). All on the server's event loop: no locks.
+
+Fault injection (``faults.py``, testing and staging only): the client reads the stored
+pages themselves, which must never be written, so a drawn ``delay`` delays the LeaseGet
+answer (``Grant.delay_s``) and every other kind answers that key "not leased"
+(``refuse_lease``): the client takes a copying path for it, where it may draw a fault.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from nopecache.cache_server.faults import REFUSE_LEASE, FaultInjector, FaultKind
 from nopecache.cache_server.refusal import Refusal, RefusalKind
 from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tiers.cpu import CpuTier, PagedTier, TierLease
@@ -98,12 +104,14 @@ class ArenaOffer:
 class Grant:
     """What LeaseGet answers: per key its lease id (b"": not leased), the tier name (None:
     not leased) and its (offset, length) runs in the pool; ``tried``: how many keys, from
-    the first, were tried before the share was reached."""
+    the first, were tried before the share was reached; ``delay_s``: how long to hold the
+    answer back (an injected fault; 0 otherwise)."""
 
     leases: list[bytes]
     tiers: list[str | None]
     runs: list[list[tuple[int, int]]]
     tried: int
+    delay_s: float = 0.0
 
 
 class _Lease:
@@ -129,11 +137,13 @@ class ZeroCopy:
         share: float = 0.25,
         ttl_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        faults: FaultInjector | None = None,
     ) -> None:
         """The offer of ``store``'s top tier, when it is a ``cpu://`` pool in a memfd; made
-        to nobody until :meth:`offer_to`."""
+        to nobody until :meth:`offer_to`. ``faults``: injected faults (testing only)."""
         top = store.tiers[0] if store.tiers else None
         self._store = store
+        self._faults = faults
         self._tier: PagedTier | None = None
         self.kind = ArenaKind.HOST_MEMFD
         if isinstance(top, PagedTier) and top.cuda_device_uuid is not None:
@@ -294,8 +304,19 @@ class ZeroCopy:
         ids: list[bytes] = []
         tiers: list[str | None] = []
         runs: list[list[tuple[int, int]]] = []
+        delay_s = 0.0
         for key in keys:
             lent = self._store.lease(key, host_views=self.kind is ArenaKind.HOST_MEMFD)
+            fault = None if lent is None or self._faults is None else self._faults.draw("zero_copy")
+            if fault is not None and self._faults is not None:
+                if fault.kind is FaultKind.DELAY:
+                    self._faults.counted(fault.kind.value, "zero_copy")
+                    delay_s = self._faults.delay_s
+                else:  # the pages are the store's: never damaged, the lease refused
+                    self._faults.counted(REFUSE_LEASE, "zero_copy")
+                    assert lent is not None
+                    lent[0].release()
+                    lent = None
             if lent is None:
                 ids.append(b"")
                 tiers.append(None)
@@ -313,7 +334,7 @@ class ZeroCopy:
             ids.append(lease.id)
             tiers.append(name)
             runs.append(_byte_runs(tier_lease, page))
-        return Grant(ids, tiers, runs, len(ids))
+        return Grant(ids, tiers, runs, len(ids), delay_s)
 
     def release(self, tenant: str, ids: Sequence[bytes]) -> int:
         """End ``tenant``'s leases among ``ids``; how many were held."""

@@ -26,6 +26,7 @@ from nopecache.client.errors import (
 )
 from nopecache.client.fetching import FetchResult
 from nopecache.client.fingerprint import SUPPORTED_DTYPES, ModelFingerprint, dtype_name
+from nopecache.client.identity import InputFeature, InputIdentity
 from nopecache.client.keys import (
     BlockKey,
     KeyedChunk,
@@ -57,6 +58,8 @@ __all__ = [
     "Hit",
     "HitFilter",
     "HitKind",
+    "InputFeature",
+    "InputIdentity",
     "InvalidArgumentError",
     "KForm",
     "KeyedChunk",

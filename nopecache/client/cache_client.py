@@ -62,6 +62,7 @@ from nopecache.client.discovery import Discovery, Resolver
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fetching import BlockPlacer, Download, FetchResult
 from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.identity import InputIdentity
 from nopecache.client.keyplan import KeyPlanner
 from nopecache.client.keys import Namespace
 from nopecache.client.metrics import ClientMetrics, ClientStats
@@ -292,17 +293,20 @@ class AsyncCacheClient:
         segments: Sequence[int] | None = None,
         namespace: Namespace | None = None,
         allow_position_independent: bool = True,
+        identity: InputIdentity | None = None,
     ) -> ReusePlan:
         """The reuse plan of a prompt: exact prefix, position-independent hits, misses.
 
         Hits the cost model finds slower to fetch than to recompute are in ``dropped``.
+        ``identity``: what beside the tokens shapes their KV (adapter, salt, images:
+        ``identity.py``); blocks are found only under the same identity.
         """
         self._in_loop()
         start = time.perf_counter()
         arr = token_array(tokens)
         chunker = self.keying.pi_chunker(chunking, segments)
         pre, pi = self.keying.keys(
-            arr, namespace, chunker, prefix=True, pi=allow_position_independent
+            arr, namespace, chunker, prefix=True, pi=allow_position_independent, identity=identity
         )
         unique = list(dict.fromkeys(c.key.value for c in (*pre, *pi)))
         present = dict(zip(unique, await self._present(unique), strict=True))
@@ -353,6 +357,7 @@ class AsyncCacheClient:
         segments: Sequence[int] | None = None,
         namespace: Namespace | None = None,
         allow_position_independent: bool = True,
+        identity: InputIdentity | None = None,
     ) -> AsyncPrefetch:
         """Start lookup and download in the background as soon as the prompt is known."""
         self._in_loop()
@@ -367,6 +372,7 @@ class AsyncCacheClient:
                 segments=segments,
                 namespace=namespace,
                 allow_position_independent=allow_position_independent,
+                identity=identity,
             ),
         )
 
@@ -383,6 +389,7 @@ class AsyncCacheClient:
         namespace: Namespace | None = None,
         prefix: bool = True,
         position_independent: bool = True,
+        identity: InputIdentity | None = None,
     ) -> PreparedStore:
         """Validate a store and compute its keys (any thread; raises on bad arguments)."""
         arr = token_array(tokens)
@@ -391,7 +398,9 @@ class AsyncCacheClient:
             raise InvalidArgumentError("form", f"must be 'nope' or 'rope', got {form!r}")
         positions = check_positions(positions, len(arr))
         chunker = self.keying.pi_chunker(chunking, segments)
-        pre, pi = self.keying.keys(arr, namespace, chunker, prefix=prefix, pi=position_independent)
+        pre, pi = self.keying.keys(
+            arr, namespace, chunker, prefix=prefix, pi=position_independent, identity=identity
+        )
         return PreparedStore(arr, k, v, positions, form, tuple(pre), tuple(pi))
 
     async def store(
@@ -407,6 +416,7 @@ class AsyncCacheClient:
         prefix: bool = True,
         position_independent: bool = True,
         wait: bool = True,
+        identity: InputIdentity | None = None,
     ) -> StoreReport:
         """Store the KV of ``tokens`` computed at ``positions`` (an int start or a tensor).
 
@@ -426,6 +436,7 @@ class AsyncCacheClient:
             namespace=namespace,
             prefix=prefix,
             position_independent=position_independent,
+            identity=identity,
         )
         if wait:
             return await self.store_prepared(job)

@@ -299,6 +299,7 @@ class Download:
                 hits, blob = item
                 if blob is None:
                     failed.extend(hits)
+                    self.placer.metrics.record_missed()
                     continue
                 nbytes += blob.nbytes
                 job = self.worker.submit(self._place, blob, hits, arr, into, out, cancelled)

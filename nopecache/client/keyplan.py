@@ -25,6 +25,7 @@ from nopecache.client.chunking import (
 )
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.identity import InputIdentity
 from nopecache.client.keys import KeyedChunk, Namespace, content_chunks, prefix_chunks
 from nopecache.proto.block import StoredForm
 
@@ -71,15 +72,19 @@ class KeyPlanner:
         *,
         prefix: bool,
         pi: bool,
+        identity: InputIdentity | None = None,
     ) -> tuple[list[KeyedChunk], list[KeyedChunk]]:
-        """The prefix chain and the content keys of ``tokens`` (each empty when not asked)."""
+        """The prefix chain and the content keys of ``tokens`` (each empty when not asked);
+        ``identity``: what beside the tokens shapes their KV (``identity.py``)."""
         ns = self.namespace if namespace is None else namespace
         pre = (
-            prefix_chunks(self.fingerprint, ns, tokens, self.prefix_chunker.split(tokens))
+            prefix_chunks(self.fingerprint, ns, tokens, self.prefix_chunker.split(tokens), identity)
             if prefix
             else []
         )
         content = (
-            content_chunks(self.pi_fingerprint, ns, tokens, chunker.split(tokens)) if pi else []
+            content_chunks(self.pi_fingerprint, ns, tokens, chunker.split(tokens), identity)
+            if pi
+            else []
         )
         return pre, content

@@ -15,6 +15,12 @@ A key is xxh3-128 over one canonical byte string (all integers little-endian):
     | token ids   u32 each         |        | token ids   u32 each         |
     +------------------------------+        +------------------------------+
 
+A block whose KV depends on more than its tokens (an adapter, a cache salt, an image
+behind placeholder tokens: ``identity.py``) is keyed under kind 4 (content) or 5
+(prefix): the same bytes with ``InputIdentity.span_bytes`` of the block's span after the
+token ids. A block with nothing beside its tokens keeps kind 1 or 2, so plain-text keys
+do not change; a prefix chain past an identified block differs through its parent key.
+
 A third kind (3, *engine page*) names a page an engine already keyed itself (SGLang's
 chained page hash): the header, then the engine's hash as u32 length + bytes in place of
 the token ids; its fingerprint names the engine's page layout.
@@ -38,6 +44,7 @@ import xxhash
 from nopecache.client.chunking import ChunkSpan, TokenArray, TokenIds, token_array
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.identity import InputIdentity
 
 KEY_SIZE = 16
 Namespace = str | bytes
@@ -47,6 +54,8 @@ _VERSION = 1
 _KIND_CONTENT = 1
 _KIND_PREFIX = 2
 _KIND_ENGINE_PAGE = 3
+_KIND_CONTENT_IDENTIFIED = 4
+_KIND_PREFIX_IDENTIFIED = 5
 _U32 = struct.Struct("<I")
 _NO_PARENT = b"\x00"
 _HAS_PARENT = b"\x01"
@@ -129,10 +138,33 @@ def _check_fingerprint(fingerprint: ModelFingerprint) -> None:
         )
 
 
-def _digest(header: bytes, link: bytes, tokens: TokenArray) -> BlockKey:
+def _digest(header: bytes, link: bytes, tokens: TokenArray, extra: bytes = b"") -> BlockKey:
     return BlockKey(
-        xxhash.xxh3_128_digest(b"".join((header, link, _U32.pack(len(tokens)), tokens.tobytes())))
+        xxhash.xxh3_128_digest(
+            b"".join((header, link, _U32.pack(len(tokens)), tokens.tobytes(), extra))
+        )
     )
+
+
+class _Headers:
+    """The plain and the identified header of one key kind, each built once."""
+
+    def __init__(self, fingerprint: ModelFingerprint, namespace: Namespace, kinds: tuple[int, int]):
+        ns = _namespace_bytes(namespace)
+        self.plain = _header(fingerprint, ns, kinds[0])
+        self.identified = _header(fingerprint, ns, kinds[1])
+
+    def pick(self, identity: InputIdentity | None, span: ChunkSpan) -> tuple[bytes, bytes]:
+        """The header and identity bytes of a block over ``span``."""
+        extra = b"" if identity is None else identity.span_bytes(span.start, span.end)
+        return (self.identified if extra else self.plain), extra
+
+
+def _check_identity(identity: InputIdentity | None) -> None:
+    if identity is not None and not isinstance(identity, InputIdentity):
+        raise InvalidArgumentError(
+            "identity", f"must be an InputIdentity or None, got {type(identity).__name__}"
+        )
 
 
 def _link(parent: BlockKey | None) -> bytes:
@@ -183,13 +215,20 @@ def content_chunks(
     namespace: Namespace,
     tokens: TokenIds,
     spans: Sequence[ChunkSpan],
+    identity: InputIdentity | None = None,
 ) -> list[KeyedChunk]:
-    """Content keys of every span of a prompt (spans from any chunker)."""
+    """Content keys of every span of a prompt (spans from any chunker); ``identity``:
+    what beside the tokens shapes the prompt's KV (each span keyed by its part of it)."""
     _check_fingerprint(fingerprint)
+    _check_identity(identity)
     arr = token_array(tokens)
     _check_spans(spans, len(arr))
-    header = _header(fingerprint, _namespace_bytes(namespace), _KIND_CONTENT)
-    return [KeyedChunk(s, _digest(header, b"", arr[s.start : s.end])) for s in spans]
+    headers = _Headers(fingerprint, namespace, (_KIND_CONTENT, _KIND_CONTENT_IDENTIFIED))
+    out: list[KeyedChunk] = []
+    for span in spans:
+        header, extra = headers.pick(identity, span)
+        out.append(KeyedChunk(span, _digest(header, b"", arr[span.start : span.end], extra)))
+    return out
 
 
 def prefix_chunks(
@@ -197,12 +236,15 @@ def prefix_chunks(
     namespace: Namespace,
     tokens: TokenIds,
     spans: Sequence[ChunkSpan],
+    identity: InputIdentity | None = None,
 ) -> list[KeyedChunk]:
-    """The prefix-key chain over ``spans``, which must tile the prompt from position 0."""
+    """The prefix-key chain over ``spans``, which must tile the prompt from position 0;
+    ``identity`` as in :func:`content_chunks`."""
     _check_fingerprint(fingerprint)
+    _check_identity(identity)
     arr = token_array(tokens)
     _check_spans(spans, len(arr))
-    header = _header(fingerprint, _namespace_bytes(namespace), _KIND_PREFIX)
+    headers = _Headers(fingerprint, namespace, (_KIND_PREFIX, _KIND_PREFIX_IDENTIFIED))
     out: list[KeyedChunk] = []
     link, expected_start = _NO_PARENT, 0
     for span in spans:
@@ -212,7 +254,8 @@ def prefix_chunks(
                 f"a prefix chain must be contiguous from 0; {span} follows "
                 f"position {expected_start}",
             )
-        key = _digest(header, link, arr[span.start : span.end])
+        header, extra = headers.pick(identity, span)
+        key = _digest(header, link, arr[span.start : span.end], extra)
         out.append(KeyedChunk(span, key))
         link, expected_start = _HAS_PARENT + key.value, span.end
     return out

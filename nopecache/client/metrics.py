@@ -21,6 +21,9 @@ Exposed families (counters carry Prometheus' ``_total`` suffix)::
     nopecache_client_stored_bytes_total                   their bytes
     nopecache_client_store_dropped_blocks_total           stores dropped: queue full
     nopecache_client_verify_failures_total                fetched blocks that failed checks
+    nopecache_client_missed_blocks_total                  planned blocks a fetch got no bytes
+                                                          for (gone since the lookup, dropped
+                                                          by the server, or a failed stream)
     nopecache_client_server_errors_total{server,code}     failed calls by gRPC status name
     nopecache_client_unreachable_keys_total{server}       keys missed: server down or slow
     nopecache_client_lookup_duration_seconds              lookup latency histogram
@@ -62,6 +65,7 @@ METRIC_NAMES = tuple(
         "stored_bytes_total",
         "store_dropped_blocks_total",
         "verify_failures_total",
+        "missed_blocks_total",
         "server_errors_total",
         "unreachable_keys_total",
         "lookup_duration_seconds",
@@ -109,6 +113,7 @@ class ClientStats:
     stored_bytes: int = 0
     store_dropped_blocks: int = 0
     verify_failures: int = 0
+    missed_blocks: int = 0
     # server -> failed calls (any status), and the subset that hit their deadline.
     server_errors: Mapping[str, int] = field(default_factory=dict)
     timeouts: Mapping[str, int] = field(default_factory=dict)
@@ -188,6 +193,11 @@ class ClientMetrics:
         self._verify_failures = Counter(
             _PREFIX + "verify_failures", "Fetched blocks that failed verification", registry=r
         )
+        self._missed_blocks = Counter(
+            _PREFIX + "missed_blocks",
+            "Planned blocks a fetch got no bytes for (a miss at fetch time)",
+            registry=r,
+        )
         self._server_errors = Counter(
             _PREFIX + "server_errors", "Failed calls by gRPC status", ["server", "code"], registry=r
         )
@@ -249,6 +259,10 @@ class ClientMetrics:
         """Count fetched blocks that failed verification (turned into misses)."""
         self._verify_failures.inc(_check_count("blocks", blocks))
 
+    def record_missed(self, blocks: int = 1) -> None:
+        """Count planned blocks a fetch got no bytes for (turned into misses)."""
+        self._missed_blocks.inc(_check_count("blocks", blocks))
+
     def record_server_error(self, server: str, code: grpc.StatusCode | str) -> None:
         """Count one failed call to ``server`` by its gRPC status (DEADLINE_EXCEEDED: timeout)."""
         name = code.name if isinstance(code, grpc.StatusCode) else code
@@ -288,6 +302,7 @@ class ClientMetrics:
             stored_bytes=_total(self._stored_bytes),
             store_dropped_blocks=_total(self._store_dropped),
             verify_failures=_total(self._verify_failures),
+            missed_blocks=_total(self._missed_blocks),
             server_errors=errors,
             timeouts=timeouts,
             unreachable_keys=_labelled(self._unreachable, "server"),

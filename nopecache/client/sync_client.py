@@ -32,6 +32,7 @@ from nopecache.client.discovery import Resolver
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fetching import FetchResult
 from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.identity import InputIdentity
 from nopecache.client.keys import Namespace
 from nopecache.client.metrics import ClientMetrics, ClientStats
 from nopecache.client.placement import PagedKV
@@ -122,6 +123,7 @@ class CacheClient:
         segments: Sequence[int] | None = None,
         namespace: Namespace | None = None,
         allow_position_independent: bool = True,
+        identity: InputIdentity | None = None,
     ) -> ReusePlan:
         """See :meth:`AsyncCacheClient.lookup`."""
         return self._call(
@@ -131,6 +133,7 @@ class CacheClient:
                 segments=segments,
                 namespace=namespace,
                 allow_position_independent=allow_position_independent,
+                identity=identity,
             )
         )
 
@@ -142,6 +145,7 @@ class CacheClient:
         segments: Sequence[int] | None = None,
         namespace: Namespace | None = None,
         allow_position_independent: bool = True,
+        identity: InputIdentity | None = None,
     ) -> concurrent.futures.Future[ReusePlan]:
         """Start :meth:`lookup` on the client's loop and return at once: its future.
 
@@ -158,6 +162,7 @@ class CacheClient:
                 segments=segments,
                 namespace=namespace,
                 allow_position_independent=allow_position_independent,
+                identity=identity,
             ),
             self._loop,
         )
@@ -181,6 +186,7 @@ class CacheClient:
         prefix: bool = True,
         position_independent: bool = True,
         wait: bool = True,
+        identity: InputIdentity | None = None,
     ) -> StoreReport:
         """See :meth:`AsyncCacheClient.store`; ``wait=False`` never blocks on the network."""
         job = self._core.prepare_store(
@@ -193,6 +199,7 @@ class CacheClient:
             namespace=namespace,
             prefix=prefix,
             position_independent=position_independent,
+            identity=identity,
         )
         if not wait:
             return self._core.enqueue_store(job)
@@ -206,6 +213,7 @@ class CacheClient:
         segments: Sequence[int] | None = None,
         namespace: Namespace | None = None,
         allow_position_independent: bool = True,
+        identity: InputIdentity | None = None,
     ) -> Prefetch:
         """See :meth:`AsyncCacheClient.prefetch`; returns without waiting."""
 
@@ -216,6 +224,7 @@ class CacheClient:
                 segments=segments,
                 namespace=namespace,
                 allow_position_independent=allow_position_independent,
+                identity=identity,
             )
 
         return Prefetch(self, self._call(start()))

@@ -58,7 +58,10 @@ def test_keys_split_across_streams_come_back_in_key_order(cache_server: CacheSer
 async def _killed_mid_get(server: CacheServerProc) -> None:
     conn = connection(server, 4)
     keys = [key_of(i) for i in range(48)]
-    blobs = [blob_of(k, 2048) for k in keys]  # 512 KiB each: 24 MiB in all
+    # 4 MiB each, 192 MiB in all: more than 4 loopback streams can hold in flight (socket
+    # buffers of up to 32 MiB receive + 4 MiB send each here), so the kill always finds
+    # blocks unsent, however fast the machine (24 MiB all arrived before it on an idle one).
+    blobs = [blob_of(k, 16384) for k in keys]
     assert all(r.ok for r in await conn.put(list(zip(keys, blobs, strict=True))))
     stream = conn.get(b"".join(keys))
     got = [await anext(stream)]
@@ -78,7 +81,7 @@ async def _killed_mid_get(server: CacheServerProc) -> None:
 def test_a_server_killed_mid_get_on_several_streams_turns_the_rest_into_misses(
     cache_servers: ServerFactory,
 ) -> None:
-    (server,) = cache_servers(1)
+    (server,) = cache_servers(1, tiers=("cpu://?capacity=256MiB&pinned=no",))
     asyncio.run(_killed_mid_get(server))
 
 

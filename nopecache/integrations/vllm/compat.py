@@ -56,13 +56,18 @@ __all__ = [
     "attention_layers",
     "block_hashes",
     "cache_block_size",
+    "event_extra_keys",
+    "extra_keys",
     "final_logits",
     "finished_req_ids",
+    "has_extra_inputs",
     "hf_text_config",
     "kv_cache_dtype",
     "kv_events",
     "kv_events_enabled",
     "llama_modules",
+    "lora_label",
+    "mm_placeholders",
     "model_dtype",
     "model_shape",
     "num_scheduled_tokens",
@@ -71,6 +76,7 @@ __all__ = [
     "platform_is_cpu",
     "platform_name",
     "prefix_caching",
+    "prompt_embeds",
     "prompt_token_ids",
     "qkv",
     "qkv_rope",
@@ -201,6 +207,67 @@ def prompt_token_ids(request: Request) -> tuple[int, ...]:
     return tuple(request.prompt_token_ids or ())
 
 
+def prompt_embeds(request: Request) -> tuple[torch.Tensor | None, list[bool] | None]:
+    """The request's prompt embeddings (None: none) and, for a prompt mixing token ids and
+    embeddings, which positions are token ids (None: every position is embedded)."""
+    embeds = getattr(request, "prompt_embeds", None)
+    mask = getattr(request, "prompt_is_token_ids", None)
+    return embeds, None if mask is None else [bool(m) for m in mask]
+
+
+def has_extra_inputs(request: Request) -> bool:
+    """Whether the request has any input beside its token ids that vLLM's block hash
+    keys on (an adapter, a cache salt, multimodal items, prompt embeddings)."""
+    return bool(
+        getattr(request, "lora_request", None)
+        or getattr(request, "cache_salt", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "prompt_embeds", None) is not None
+    )
+
+
+def extra_keys(request: Request, start: int, end: int) -> tuple[Any, ...]:
+    """The extra keys vLLM's block hash folds in for tokens ``[start, end)`` (its own
+    ``generate_block_hash_extra_keys``: tagged tuples such as ``("lora", name, path)``)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
+    return tuple(keys or ())
+
+
+def mm_placeholders(request: Request) -> list[tuple[int, int, str]]:
+    """``(offset, length, identifier)`` of each multimodal item's placeholder in the prompt."""
+    return [
+        (int(f.mm_position.offset), int(f.mm_position.length), str(f.identifier))
+        for f in (getattr(request, "mm_features", None) or ())
+    ]
+
+
+def lora_label(request: Request) -> tuple[int, str] | None:
+    """The request's LoRA adapter as vLLM's KV events name it: ``(adapter id, name)``."""
+    lora = getattr(request, "lora_request", None)
+    if not lora:
+        return None
+    return int(lora.adapter_id), str(lora.name)
+
+
+def event_extra_keys(
+    request: Request, num_blocks: int, block_size: int
+) -> list[tuple[Any, ...] | None] | None:
+    """vLLM's KV-event ``extra_keys`` of the request's first ``num_blocks`` blocks (None
+    when none has any), in the untagged form vLLM publishes its own."""
+    if not has_extra_inputs(request):
+        return None
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+
+    per_block = [
+        extra_keys(request, i * block_size, (i + 1) * block_size) or None for i in range(num_blocks)
+    ]
+    if not any(per_block):
+        return None
+    return to_event_extra_keys(per_block)
+
+
 def block_hashes(request: Request) -> list[BlockHash] | None:
     """vLLM's own list of the request's block hashes (None when it keeps none).
 
@@ -284,9 +351,10 @@ def kv_events(events: Iterable[Event], medium: str) -> Iterator[KVCacheEvent]:
                 parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
                 token_ids=list(event.token_ids),
                 block_size=event.block_size,
-                lora_id=None,
+                lora_id=None if event.lora is None else event.lora[0],
                 medium=medium,
-                lora_name=None,
+                lora_name=None if event.lora is None else event.lora[1],
+                extra_keys=None if event.extra_keys is None else list(event.extra_keys),
             )
 
 

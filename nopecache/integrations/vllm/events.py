@@ -57,6 +57,10 @@ class StoredRun:
     parent: BlockHash | None  # the block before the first (None: the prompt's start)
     token_ids: tuple[int, ...]  # exactly len(block_hashes) * block_size tokens
     block_size: int
+    # As vLLM's own events name them, so routers keep adapters and images apart: the
+    # request's LoRA adapter (id, name) and each block's extra keys (None: no block has any).
+    lora: tuple[int, str] | None = None
+    extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +105,11 @@ class AnnouncedBlocks:
         keys: Sequence[bytes],
         tokens: Sequence[int],
         block_size: int,
+        lora: tuple[int, str] | None = None,
+        extra_keys: Sequence[tuple[object, ...] | None] | None = None,
     ) -> None:
-        """Whole blocks ``hashes`` (cache keys ``keys``, tokens from position 0) are stored."""
+        """Whole blocks ``hashes`` (cache keys ``keys``, tokens from position 0) are stored;
+        ``lora`` and ``extra_keys`` (one entry per hash) as vLLM's events carry them."""
         if len(keys) < len(hashes) or len(tokens) < len(hashes) * block_size:
             raise ValueError("stored: a key and block_size tokens for every hash")
         with self._lock:
@@ -118,6 +125,8 @@ class AnnouncedBlocks:
                     hashes[first - 1] if first else None,
                     tuple(tokens[first * block_size : len(hashes) * block_size]),
                     block_size,
+                    lora,
+                    None if extra_keys is None else tuple(extra_keys[first : len(hashes)]),
                 )
             )
 

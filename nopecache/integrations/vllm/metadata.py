@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from nopecache.client.identity import InputIdentity
 from nopecache.client.plan import ReusePlan
 
 __all__ = ["LoadSpec", "SaveSpec", "StepPlan", "StepReport", "slots_for"]
@@ -63,6 +64,7 @@ class SaveSpec:
     req_id: str
     tokens: tuple[int, ...]
     block_ids: tuple[int, ...]
+    identity: InputIdentity = field(default_factory=InputIdentity)  # what else shapes the KV
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from nopecache.integrations.vllm.identity import SKIP_REASONS
 from nopecache.integrations.vllm.metadata import StepReport
 from nopecache.integrations.vllm.quality import BlendCheck
 from nopecache.integrations.vllm.scheduler import SCHEDULER_COUNTERS
@@ -155,10 +156,28 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
                 idx: histogram.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
 
+        # Requests neither claimed nor stored, by reason (scheduler.SKIP_COUNTERS).
+        skipped = self._counter_cls(
+            name="vllm:nopecache_requests_skipped",
+            documentation="Requests neither claimed nor stored: their KV cannot be keyed",
+            labelnames=[*labelnames, "reason"],
+        )
+        self._skipped = {
+            reason: {
+                idx: skipped.labels(*values, reason)
+                for idx, values in per_engine_labelvalues.items()
+            }
+            for reason in SKIP_REASONS
+        }
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Add an interval's counters."""
         for key, per_engine in self._counters.items():
             value = transfer_stats_data.get(key, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
+        for reason, per_engine in self._skipped.items():
+            value = transfer_stats_data.get(f"skipped_{reason}", 0)
             if value:
                 per_engine[engine_idx].inc(value)
         for key, per_engine in self._histograms.items():

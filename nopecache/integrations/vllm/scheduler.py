@@ -30,6 +30,17 @@ token (blend: before the first position the layer loop computes), so the exact c
 never holds approximate KV; a blend claim also salts vLLM's block hashes from there on
 (``_salt_block_hashes``), so vLLM's own prefix cache never serves those blocks either.
 
+Identity. Every key folds in what beside the token ids shapes the request's KV (its LoRA
+adapter, cache salt, images, prompt embeddings: ``identity.py``), for lookups, stores and
+the blocks KV events announce. A request the connector cannot key is neither claimed nor
+stored, counted as ``skipped_<reason>`` and logged once per reason.
+
+Approximate never becomes exact. A contiguous claim's position-independent blocks, like a
+blend claim's range, salt vLLM's block hashes from the first approximate block on, so the
+engine's own prefix cache never serves them (or anything computed after them) as exact to
+the next request, and the request stores nothing from there (a multi-turn chat's next
+turn would otherwise find them as local hits, claim nothing, and store them as exact).
+
 vLLM's ``Request`` and ``SchedulerOutput`` are read through ``compat`` only (the unit
 tests hand in stand-ins with the same attributes).
 
@@ -47,12 +58,14 @@ from typing import TYPE_CHECKING, cast
 
 from nopecache.client.chunking import ChunkSpan, token_array
 from nopecache.client.errors import NopecacheError
+from nopecache.client.identity import InputIdentity
 from nopecache.client.plan import ReusePlan
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.blend import blend_claim_end, blend_layout, blend_pays
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
 from nopecache.integrations.vllm.events import AnnouncedBlocks
+from nopecache.integrations.vllm.identity import SKIP_REASONS, request_identity
 from nopecache.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan, StepReport
 from nopecache.integrations.vllm.rates import MeasuredRates
 
@@ -63,6 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEDULER_COUNTERS",
+    "SKIP_COUNTERS",
     "Claim",
     "ConnectorTotals",
     "SchedulerSide",
@@ -70,6 +84,8 @@ __all__ = [
     "trim_plan",
 ]
 
+SKIP_COUNTERS = tuple(f"skipped_{reason}" for reason in SKIP_REASONS)
+"""Requests neither claimed nor stored, one counter per reason (identity.SKIP_REASONS)."""
 SCHEDULER_COUNTERS = (
     "lookups",
     "lookup_failures",
@@ -77,6 +93,7 @@ SCHEDULER_COUNTERS = (
     "claimed_pi_tokens",
     "blend_claimed_tokens",
     "blend_fallbacks",
+    *SKIP_COUNTERS,
 )
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown in vLLM's log
@@ -88,8 +105,9 @@ def _salt_block_hashes(request: Request, first_block: int, end_block: int | None
     """Give the request's blocks from ``first_block`` on hashes no other request has.
 
     vLLM's prefix cache indexes a computed block by the chained hash of the tokens up to
-    it, so blocks holding approximate KV (the blend range from its first
-    position-independent token, and every later block, which attended to it) would be
+    it, so blocks holding approximate KV (a contiguous claim's position-independent
+    blocks, the blend range from its first position-independent token, and every later
+    block, which attended to it) would be
     served as exact to the next request with the same tokens. vLLM hashes a request's
     blocks when the request is made and chains each new block's hash from the last one
     in ``request.block_hashes``; replacing the hashes from the first approximate block on
@@ -152,6 +170,7 @@ class _Tracked:
     block_ids: list[int]
     computed: int  # tokens computed before this step
     approximate_from: int | None  # first position with position-independent KV
+    identity: InputIdentity | str  # its keys' identity, or why it has none (not stored)
     saved: bool = False
 
 
@@ -165,6 +184,7 @@ class ConnectorTotals:
     claimed_pi_tokens: int = 0
     blend_claimed_tokens: int = 0
     blend_fallbacks: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # SKIP_REASONS -> requests
     report: StepReport = field(default_factory=StepReport)
 
 
@@ -199,6 +219,8 @@ class SchedulerSide:
         # Blocks announced in KV events, and their withdrawals (events.py).
         self.announced = AnnouncedBlocks(clear_all=False) if announced is None else announced
         self._salted: dict[str, int] = {}  # request -> first block salted
+        self._identities: dict[str, InputIdentity | str] = {}  # request -> identity or reason
+        self._logged_reasons: set[str] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed: never reclaimed
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
@@ -214,6 +236,26 @@ class SchedulerSide:
         self.blend = False
         self.policy = None
 
+    # -- identity ---------------------------------------------------------------------
+    def identity(self, request: Request) -> InputIdentity | str:
+        """The request's key identity, or why it has none (counted once per request)."""
+        req_id = compat.request_id(request)
+        known = self._identities.get(req_id)
+        if known is not None:
+            return known
+        found = request_identity(request)
+        self._identities[req_id] = found
+        if isinstance(found, str):
+            self.totals.skipped[found] = self.totals.skipped.get(found, 0) + 1
+            if found not in self._logged_reasons:
+                self._logged_reasons.add(found)
+                log.warning(
+                    "nopecache: requests with %s are neither claimed nor stored (their KV "
+                    "cannot be keyed correctly); counted as vllm:nopecache_requests_skipped",
+                    found.replace("_", " "),
+                )
+        return found
+
     # -- claims -----------------------------------------------------------------------
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that the cache can supply (0 on failure);
@@ -226,6 +268,9 @@ class SchedulerSide:
         known = self._claims.get(req_id)
         if known is not None and known.start == num_computed_tokens:
             return known.end - known.start
+        identity = self.identity(request)
+        if isinstance(identity, str):
+            return 0
         prompt = compat.prompt_token_ids(request)
         bs = self.model.block_size
         limit = (len(prompt) - 1) // bs * bs if prompt else 0
@@ -242,6 +287,7 @@ class SchedulerSide:
                 segments=self.config.segments(tokens),
                 namespace=self.config.namespace,
                 allow_position_independent=self.config.pi_reuse != "off",
+                identity=identity,
             )
         try:
             plan = pending.result(timeout=self.config.lookup_wait_ms / 1000)
@@ -274,6 +320,9 @@ class SchedulerSide:
         claim = Claim(tokens, trim_plan(plan, end), num_computed_tokens, end)
         if self.config.blend:
             claim = self._blend_claim(request, plan, claim, limit)
+        elif end > max(plan.prefix_end, num_computed_tokens):
+            # Position-independent blocks claimed: approximate from the first of them on.
+            self._salt_from(request, max(plan.prefix_end, num_computed_tokens) // bs)
         self._claims[req_id] = claim
         return claim.end - claim.start
 
@@ -312,11 +361,7 @@ class SchedulerSide:
         # The loop's rows match vLLM's own to rounding, not bit for bit: from its first
         # position on, nothing is stored and vLLM's prefix cache files nothing as exact.
         approximate_from = layout.prefix_end
-        first = approximate_from // bs
-        salted = self._salted.get(req_id)  # a retried claim keeps its salt
-        if salted is None or first < salted:
-            _salt_block_hashes(request, first, salted)
-            self._salted[req_id] = first
+        self._salt_from(request, approximate_from // bs)
         return Claim(
             prefix.tokens,
             trim_plan(plan, end),
@@ -326,6 +371,15 @@ class SchedulerSide:
             pi_tokens=layout.num_pi,
             approximate_from=approximate_from,
         )
+
+    def _salt_from(self, request: Request, first: int) -> None:
+        """Salt the request's block hashes from block ``first`` on (a retried claim keeps
+        its salt; one that starts earlier salts the blocks before the old start too)."""
+        req_id = compat.request_id(request)
+        salted = self._salted.get(req_id)
+        if salted is None or first < salted:
+            _salt_block_hashes(request, first, salted)
+            self._salted[req_id] = first
 
     def claim_is_async(self, req_id: str) -> bool:
         """Whether the pending claim of ``req_id`` loads in the background (blend: never,
@@ -370,7 +424,9 @@ class SchedulerSide:
         prompt = compat.prompt_token_ids(request)
         tracked = self._tracked.get(req_id)
         if tracked is None:
-            self._tracked[req_id] = _Tracked(request, prompt, list(block_ids), 0, approximate_from)
+            self._tracked[req_id] = _Tracked(
+                request, prompt, list(block_ids), 0, approximate_from, self.identity(request)
+            )
         else:
             tracked.block_ids = list(block_ids)
             if approximate_from is not None:
@@ -398,15 +454,23 @@ class SchedulerSide:
         if tracked.approximate_from is not None:
             end = min(end, tracked.approximate_from)
             end -= end % bs
-        if end <= 0 or not self.config.save:
+        identity = tracked.identity
+        if end <= 0 or not self.config.save or isinstance(identity, str):
             return None
         # vLLM hashes whole blocks only: the KV event announces those.
         whole = end // bs
         hashes = tuple((compat.block_hashes(tracked.request) or [])[:whole])
         tokens = tracked.tokens[:end]
         if hashes and self.client is not None:
-            self.announced.stored(hashes, self.block_keys(tokens[: len(hashes) * bs]), tokens, bs)
-        return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: -(-end // bs)]))
+            self.announced.stored(
+                hashes,
+                self.block_keys(tokens[: len(hashes) * bs], identity),
+                tokens,
+                bs,
+                lora=compat.lora_label(tracked.request),
+                extra_keys=compat.event_extra_keys(tracked.request, len(hashes), bs),
+            )
+        return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: -(-end // bs)]), identity)
 
     def build_step(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """The loads and saves of this step; resets the pending loads."""
@@ -445,21 +509,32 @@ class SchedulerSide:
             self._tracked.pop(req_id, None)
             self._claims.pop(req_id, None)
             self._salted.pop(req_id, None)
+            self._identities.pop(req_id, None)
             self._failed_loads.discard(req_id)
 
     def take_counters(self) -> dict[str, int]:
         """The scheduler counters (SCHEDULER_COUNTERS) gained since the last call."""
-        now = {k: getattr(self.totals, k) for k in SCHEDULER_COUNTERS}
+        skipped = {f"skipped_{r}": self.totals.skipped.get(r, 0) for r in SKIP_REASONS}
+        now = {
+            k: skipped[k] if k in skipped else getattr(self.totals, k) for k in SCHEDULER_COUNTERS
+        }
         delta = {k: now[k] - self._reported.get(k, 0) for k in SCHEDULER_COUNTERS}
         self._reported = now
         return delta
 
-    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
+    def block_keys(
+        self, tokens: Sequence[int], identity: InputIdentity | None = None
+    ) -> list[bytes]:
         """The cache keys of the whole blocks of ``tokens`` (prefix mode, vLLM's blocks)."""
         if self.client is None:
             return []
         keying = self.client.core.keying
         chain, _ = keying.keys(
-            token_array(tokens), self.config.namespace, keying.chunker, prefix=True, pi=False
+            token_array(tokens),
+            self.config.namespace,
+            keying.chunker,
+            prefix=True,
+            pi=False,
+            identity=identity,
         )
         return [bytes(chunk.key) for chunk in chain]

@@ -451,6 +451,7 @@ class WorkerSide:
                     segments=self.config.segments(spec.tokens),
                     namespace=self.config.namespace,
                     wait=False,
+                    identity=spec.identity,
                 )
             except NopecacheError as err:
                 log.warning("nopecache store for %s refused: %s", spec.req_id, err)
