@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _vllm_procs import bench_processes  # noqa: E402
-from tests.support.fault_servers import start_fault_server  # noqa: E402
 
 from tests.support.connector_prompts import PIP_FACTS  # noqa: E402
 from tests.support.engine_proc import EngineConfig, EngineProc, Identity  # noqa: E402
+from tests.support.fault_servers import start_fault_server  # noqa: E402
 from tests.support.lora import write_adapter  # noqa: E402
 from tests.support.parity_traffic import (  # noqa: E402
     Request,
@@ -162,7 +162,10 @@ def main() -> None:
     )
     vlm_dir = str(write_tiny_vlm(work / "vlm", Path(model)))
     with bench_processes(engines=5) as started:
-        server = start_fault_server(args.faults, work / "server")
+        # 1 GiB: a 128-token fp32 SmolLM2 block is ~5.9 MB (the default tier is 64 MiB).
+        server = start_fault_server(
+            args.faults, work / "server", tiers=("cpu://?capacity=1GiB&pinned=no",)
+        )
         started.server(server.proc)
         # The lookup bound is a hang guard: a timed-out lookup claims nothing (no parity
         # finding, only a weaker run).

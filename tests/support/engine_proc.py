@@ -17,7 +17,7 @@ one JSON line on a private pipe (vLLM's own logs go to a log file). Commands:
 
 ``identities`` (one per prompt, see :class:`Identity`) gives each request the inputs
 besides its tokens that vLLM folds into its block hashes: a LoRA adapter (a PEFT folder,
-one ``LoRARequest`` id per folder for the engine's life), a ``cache_salt``, and an image
+named by its folder's name, one ``LoRARequest`` id per folder for the engine's life), a ``cache_salt``, and an image
 (seeded noise built by :func:`seeded_image`, sent as ``multi_modal_data``). A text prompt
 (a string) lets the model's processor expand its image placeholder.
 
@@ -403,8 +403,10 @@ def _prompts(command: dict[str, Any]) -> tuple[list[Any], list[Any] | None]:
         if path is None:
             loras.append(None)
         else:
+            # The name is the folder's: vLLM keys blocks on it, so it must not depend on the
+            # order an engine first saw its adapters in (the id is only engine-local).
             lora_id = _lora_ids.setdefault(path, len(_lora_ids) + 1)
-            loras.append(LoRARequest(f"adapter-{lora_id}", lora_id, path))
+            loras.append(LoRARequest(Path(path).name, lora_id, path))
     return prompts, (loras if any(x is not None for x in loras) else None)
 
 

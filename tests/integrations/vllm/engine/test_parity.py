@@ -92,7 +92,10 @@ def _mismatches(
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProc]:
     """One server for every engine of the module (restarted on its port with faults on)."""
-    proc = CacheServerProc(tmp_path_factory.mktemp("server"), free_ports(1)[0])
+    # 1 GiB: a 128-token fp32 SmolLM2 block is ~5.9 MB; the default 64 MiB tier would evict
+    # the first requests' blocks before the second engine asks for them.
+    tier = "cpu://?capacity=1GiB&pinned=no"
+    proc = CacheServerProc(tmp_path_factory.mktemp("server"), free_ports(1)[0], tiers=(tier,))
     proc.start()
     yield proc
     proc.kill()
