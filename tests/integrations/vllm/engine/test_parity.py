@@ -164,18 +164,20 @@ def test_faults_on_the_load_path_are_recomputed(
         "--metrics-port",
         str(metrics_port),
     )
-    server.start()
-    faulty = FaultServer(server, metrics_port)
-    _run(e1, stored)
-    wait_stored(server.address, at_least=1)
-    errors_before = _metric(e2, "load_errors")
-    outs = _run(e2, served)
-    assert _mismatches(served, outs, state["refs"]) == []
-    assert faulty.faults_injected() > 0
-    assert _metric(e2, "load_errors") > errors_before
-    server.kill()
-    server.extra_args = ()
-    server.start()
+    try:
+        server.start()
+        faulty = FaultServer(server, metrics_port)
+        _run(e1, stored)
+        wait_stored(server.address, at_least=1)
+        errors_before = _metric(e2, "load_errors")
+        outs = _run(e2, served)
+        assert _mismatches(served, outs, state["refs"]) == []
+        assert faulty.faults_injected() > 0
+        assert _metric(e2, "load_errors") > errors_before
+    finally:  # the next tests need the server back, without faults, whatever happened
+        server.kill()
+        server.extra_args = ()
+        server.start()
     e1.stop()  # each engine holds ~2 GiB: keep at most three alive
 
 
