@@ -36,6 +36,7 @@ import pytest
 
 from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
 from tests.support.engine_proc import EngineFactory, EngineProc, Identity
+from tests.support.fault_servers import FaultServer
 from tests.support.lora import write_adapter
 from tests.support.parity_traffic import (
     Request,
@@ -150,7 +151,6 @@ def test_mixed_identities_match_the_reference(
 def test_faults_on_the_load_path_are_recomputed(
     server: CacheServerProc, state: dict[str, Any]
 ) -> None:
-    from tests.support.fault_servers import FaultServer  # issue 32 item 8's helper
 
     e1, e2, stored, served = state["e1"], state["e2"], state["stored"], state["served"]
     metrics_port = free_ports(1)[0]
