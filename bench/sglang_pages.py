@@ -34,7 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.sglang_cpu import prepare_sglang_import
-from tests.support.sglang_pools import cpu_device_pool, host_pool_over
+from tests.support.sglang_pools import (
+    cpu_device_pool,
+    host_pool_over,
+    tiny_model_config,
+    tiny_model_folder,
+)
 
 prepare_sglang_import()
 
@@ -74,8 +79,9 @@ def host_pool(device: MHATokenToKVPool, layout: str) -> MHATokenToKVPoolHost:
     return host
 
 
-def backend(host: MHATokenToKVPoolHost, address: str, shm: str) -> Any:
-    """A backend built the way SGLang builds it (dynamic factory, registered pool)."""
+def backend(host: MHATokenToKVPoolHost, address: str, shm: str, model: Any) -> Any:
+    """A backend built the way SGLang builds it (dynamic factory, registered pool), for
+    ``model`` (SGLang's ModelConfig, which a server's backend reads from its server args)."""
     extra = {
         "backend_name": "nopecache",
         "module_path": "nopecache.integrations.sglang.backend",
@@ -96,7 +102,7 @@ def backend(host: MHATokenToKVPoolHost, address: str, shm: str) -> Any:
         model_name="bench",
         extra_config=json.loads(json.dumps(extra)),
     )
-    b = StorageBackendFactory.create_backend("dynamic", config, host)
+    b = StorageBackendFactory.create_backend("dynamic", config, host, model_config=model)
     b.register_mem_pool_host(host)
     return b
 
@@ -106,14 +112,18 @@ def slots(pages: range) -> torch.Tensor:
     return torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in pages])
 
 
-def set_get(device: MHATokenToKVPool, address: str, layout: str, reps: int) -> dict[str, float]:
+def set_get(
+    device: MHATokenToKVPool, address: str, layout: str, reps: int, model: Any
+) -> dict[str, float]:
     """Seconds of the best batch_set_v1 (fresh keys each time) and batch_get_v1."""
     src, dst = host_pool(device, layout), host_pool(device, layout)
     raw = src.kv_buffer.view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
-    writer, reader = backend(src, address, "off"), backend(dst, address, "off")
+    writer, reader = backend(src, address, "off", model), backend(dst, address, "off", model)
     shm_reader = (
-        backend(host_pool(device, layout), address, "auto") if layout == "page_first" else None
+        backend(host_pool(device, layout), address, "auto", model)
+        if layout == "page_first"
+        else None
     )
     pages_src, pages_dst = slots(range(1, PAGES + 1)), slots(range(PAGES, 0, -1))
     last: list[str] = []
@@ -170,8 +180,11 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
         cache_server(capacity, Path(tmp) / "server.log") as addr,
     ):
+        # A config of the pools' shape (the bench moves pages; no model runs).
+        folder = tiny_model_folder(Path(tmp) / name, layers=layers, heads=heads, head_dim=dim)
+        model = tiny_model_config(folder)
         for layout, prefix in (("page_first", ""), ("layer_first", "lf_")):
-            for path, seconds in set_get(device, addr, layout, args.reps).items():
+            for path, seconds in set_get(device, addr, layout, args.reps, model).items():
                 gbps[prefix + path] = nbytes / seconds / 1e9
     for path, value in gbps.items():
         print(f"{path:>10} {value:7.2f} GB/s")

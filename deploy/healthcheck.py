@@ -3,13 +3,14 @@
 
 The image's ``HEALTHCHECK`` runs this as ``nopecache-healthcheck``. It finds the port the
 way the server does (``NOPECACHE_*`` environment, then the TOML file named by
-``NOPECACHE_CONFIG``, then the defaults), so the check follows a port set there. Options
+``NOPECACHE_CONFIG``, then the defaults), so the check follows a port set there; with
+``health_listen`` set it asks that listener, which the gRPC port's caps do not reach. Options
 passed as command-line flags to the entrypoint are not visible here: set the port through
 the environment or the config file when the container's health matters.
 
 Exit status: 0 SERVING, 1 anything else (not listening, NOT_SERVING, unknown service,
 timeout), 2 unusable configuration. Kubernetes does not use this: its native gRPC
-probes ask the same health service directly.
+probes ask the same health service directly, on the health listener.
 
     nopecache-healthcheck [SERVICE]     default SERVICE: nopecache.v1.KVCache
 """
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nopecache.cache_server.config import ConfigError, load_config
+from nopecache.cache_server.config import ConfigError, load_config, split_listen
 
 # The name under which the server reports "at least one tier answers" (service.SERVICE_NAME);
 # "" reports only that the process serves gRPC at all.
@@ -66,7 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"nopecache-healthcheck: {e}", file=sys.stderr)
         return 2
-    serving, said = check(probe_target(config.host, config.port), service)
+    # The health listener when there is one: it answers whatever fills the gRPC port.
+    host, port = (
+        split_listen(config.health_listen, "health_listen")
+        if config.health_listen
+        else (config.host, config.port)
+    )
+    serving, said = check(probe_target(host, port), service)
     print(f"nopecache-healthcheck: {said!s} (service {service!r})", file=sys.stderr)
     return 0 if serving else 1
 

@@ -24,6 +24,12 @@ __all__ = ["AdminConnection", "load_config"]
 
 R = TypeVar("R", bound=Message)
 
+# Why an address may answer UNIMPLEMENTED to Admin calls (cache_server/admin_exposure.py).
+_NO_ADMIN_HERE = (
+    "no Admin service at this address: a server without tokens serves it on loopback "
+    "only, or where its --admin-listen says"
+)
+
 
 def load_config(url: str, server: str | None, token: str | None) -> ClientConfig:
     """The client config of ``url`` aimed at one server, with ``token`` if given."""
@@ -71,6 +77,8 @@ class AdminConnection:
         except grpc.RpcError as err:
             code = err.code()
             details = err.details() or code.name
+            if code == grpc.StatusCode.UNIMPLEMENTED and service == "admin":
+                details += f" ({_NO_ADMIN_HERE})"
             raise AdminError(
                 exit_code_of(code), f"{self.address}: {method}: {code.name}: {details}"
             ) from None

@@ -15,7 +15,9 @@ quota ledger (tenants.py), the Put rules' drain flag (transfer_put.py). Roles co
     SetQuota     yes                           PERMISSION_DENIED
 
 A ``tenant`` field naming a tenant the server does not know is NOT_FOUND; a tenant naming
-another tenant is PERMISSION_DENIED; malformed keys are INVALID_ARGUMENT naming the field.
+another tenant is PERMISSION_DENIED; malformed keys are INVALID_ARGUMENT naming the field,
+and so is a request that is not valid protobuf (a raising deserializer would make gRPC
+answer UNKNOWN: the requests are parsed leniently, calls.py, and refused here).
 
 Pins and quotas: a pin keeps its block charged to the tenant (the ledger charges it if a
 restart forgot it), and the tenant's pinned bytes may not exceed its quota
@@ -35,6 +37,7 @@ import grpc
 from google.protobuf.message import Message
 
 from nopecache.cache_server.auth import RequestGate
+from nopecache.cache_server.calls import MalformedRequest, lenient_parser
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.pins import PinKind, PinTable
 from nopecache.cache_server.refusal import Refusal
@@ -294,7 +297,8 @@ class AdminService:
     async def Drain(
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainReply:
-        """Refuse new Puts, turn readiness off; with ``wait``, answer once idle."""
+        """Refuse new Puts, turn readiness off; with ``wait``, answer once idle; then flush the
+        tiers' writes (the disk tier's fsync)."""
         await self._admin_only(context, "drain")
         if not self._kv.puts.draining:
             self._kv.puts.draining = True
@@ -303,6 +307,8 @@ class AdminService:
             deadline = time.monotonic() + (request.timeout_ms / 1000 if request.timeout_ms else 30)
             while self._in_flight() and time.monotonic() < deadline:
                 await asyncio.sleep(_DRAIN_POLL_S)
+        # Writes already accepted reach the disk (fsync) before the caller is told to go on.
+        await self._store.flush()
         return pb.DrainReply(draining=True, in_flight=self._in_flight())
 
     async def GetQuota(
@@ -351,12 +357,29 @@ _METHODS: dict[str, tuple[type[Message], type[Message]]] = {
 }
 
 
+Rpc = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
+
+
+def _parsed(rpc: Rpc) -> Rpc:
+    """``rpc`` behind a check that answers INVALID_ARGUMENT to a request that did not parse."""
+
+    async def call(
+        request: Message | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> Message:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+        return await rpc(request, context)
+
+    return call
+
+
 def add_admin_to_server(service: AdminService, server: grpc.aio.Server) -> None:
     """Register ``service`` as nopecache.v1.Admin on ``server``."""
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            getattr(service, name),
-            request_deserializer=request.FromString,
+            _parsed(getattr(service, name)),
+            request_deserializer=lenient_parser(request),
             response_serializer=reply.SerializeToString,
         )
         for name, (request, reply) in _METHODS.items()

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from nopecache.cache_server.tenants import Tenant, current_tenant
+from nopecache.cache_server.wire_fields import bad_field
 
 __all__ = [
     "ContextResolver",
@@ -47,10 +48,22 @@ def default_context(context: grpc.aio.ServicerContext) -> RequestContext:
 
 @dataclass(frozen=True, slots=True)
 class MalformedRequest:
-    """A request that is not valid protobuf wire format for ``message_type``."""
+    """A request that is not valid protobuf wire format for ``message_type``.
+
+    ``field`` names the first record that could not be read (``PinRequest.keys: length
+    9 runs past the end of the message``), or is empty when the walk found none.
+    """
 
     message_type: str
     error: str
+    field: str = ""
+
+    @property
+    def message(self) -> str:
+        """The INVALID_ARGUMENT message: the field (when known), then the parser's error."""
+        if self.field:
+            return f"{self.field} ({self.error})"
+        return f"{self.message_type}: not a valid protobuf message ({self.error})"
 
 
 def lenient_parser(cls: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
@@ -61,7 +74,7 @@ def lenient_parser(cls: type[Message]) -> Callable[[bytes], Message | MalformedR
         try:
             return cls.FromString(raw)
         except DecodeError as e:
-            return MalformedRequest(name, str(e))
+            return MalformedRequest(name, str(e), bad_field(cls, raw) or "")
 
     return parse
 

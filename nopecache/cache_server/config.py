@@ -40,6 +40,7 @@ __all__ = [
     "env_name",
     "flag_name",
     "load_config",
+    "split_listen",
 ]
 
 ENV_PREFIX = "NOPECACHE_"
@@ -89,7 +90,8 @@ class ServerConfig:
         metadata=_opt(
             _URLS,
             "storage tier URL, fastest first; repeat for several (cuda://0?capacity=..., "
-            "cpu://?capacity=..., redis://host:port/db, rediss://..., redis+cluster://...)",
+            "cpu://?capacity=..., file:///dir?capacity=..., redis://host:port/db, rediss://..., "
+            "redis+cluster://...)",
             "URL",
         ),
     )
@@ -215,6 +217,51 @@ class ServerConfig:
             "admin bearer tokens inline, separated by ';' or newlines (prefer the environment "
             "variable or the file: flags show in ps)",
             "SPEC",
+        ),
+    )
+    admin_listen: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "where the Admin service (flush, drain, quotas) listens: '' (auto: on the gRPC "
+            "port when a token is configured or host is 127.0.0.1/::1/localhost, else off), "
+            "'port' (on the gRPC port, even open), 'off', or HOST:PORT (a listener of its "
+            "own; 0 picks a free port); open without tokens beyond loopback logs a warning",
+            "WHERE",
+        ),
+    )
+    health_listen: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "HOST:PORT of a listener serving grpc.health.v1 only, outside the gRPC port's "
+            "connection and call caps (point probes at it); '' for none",
+            "HOST:PORT",
+        ),
+    )
+    bulk_listen: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "HOST:PORT the bulk byte stream listens on; '' for the gRPC host and a free "
+            "port (a front proxy needs a fixed one to forward to)",
+            "HOST:PORT",
+        ),
+    )
+    bulk_advertise_port: int = field(
+        default=0,
+        metadata=_opt(
+            _INT,
+            "the bulk port OpenBulk tells clients to dial (on the host they dialled for "
+            "gRPC); 0 for the port it listens on. Behind a front proxy: the proxy's bulk port",
+        ),
+    )
+    max_health_watches_per_peer: int = field(
+        default=2,
+        metadata=_opt(
+            _INT,
+            "Health.Watch streams one address may hold open (each listener); more are "
+            "refused RESOURCE_EXHAUSTED",
         ),
     )
     pin_max_ttl_s: float = field(
@@ -422,6 +469,20 @@ class ServerConfig:
             value = getattr(self, name)
             if not 0.001 <= value <= 86400:
                 raise ConfigError(f"{name}: must be in [0.001, 86400] seconds, got {value}")
+        if self.admin_listen not in ("", "port", "off"):
+            split_listen(self.admin_listen, "admin_listen")
+        if self.health_listen:
+            split_listen(self.health_listen, "health_listen")
+        if self.bulk_listen:
+            split_listen(self.bulk_listen, "bulk_listen")
+        if not 0 <= self.bulk_advertise_port <= 65535:
+            raise ConfigError(
+                f"bulk_advertise_port: must be in [0, 65535], got {self.bulk_advertise_port}"
+            )
+        if self.max_health_watches_per_peer < 1:
+            raise ConfigError(
+                f"max_health_watches_per_peer: must be >= 1, got {self.max_health_watches_per_peer}"
+            )
         if self.max_streams_per_client < 1:
             raise ConfigError(
                 f"max_streams_per_client: must be >= 1, got {self.max_streams_per_client}"
@@ -459,6 +520,15 @@ class ServerConfig:
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
         ]
+
+
+def split_listen(value: str, option: str) -> tuple[str, int]:
+    """(host, port) of a ``HOST:PORT`` option value (``[::1]:PORT`` for IPv6)."""
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{option}: expected HOST:PORT (port in [0, 65535]), got {value!r}")
+    return host, int(port)
 
 
 def flag_name(field_name: str) -> str:

@@ -10,7 +10,10 @@ What one server process runs::
       reflection                |                                       metrics_port)
     tier monitor task ──────────┘  every few seconds: stats -> gauges + per-tier health
 
-Health and reflection pass the gate untouched (no token needed), so probes work.
+Health and reflection pass the gate untouched (no token needed), so probes work;
+Health.Watch streams are capped per address (health_port.py). Beside the gRPC port, two
+optional listeners: ``health_listen`` (health only, caps of its own: the probes' port) and
+``admin_listen`` (the Admin service when it may not share the port: admin_exposure.py).
 
 Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, the gRPC server stops accepting
 and gives in-flight RPCs ``shutdown_grace_s`` to finish, then the store is closed (Redis
@@ -23,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,16 +36,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lack aio
 from grpc_reflection.v1alpha import reflection
 
+from nopecache.cache_server.admin_exposure import admin_placement, start_admin_listener
 from nopecache.cache_server.admin_service import AdminService, add_admin_to_server
 from nopecache.cache_server.auth import RequestGate, load_token_table
 from nopecache.cache_server.config import (
     ConfigError,
     ServerConfig,
-    env_name,
-    flag_name,
     load_config,
 )
+from nopecache.cache_server.health_port import (
+    WatchLimiter,
+    main_port_watches,
+    start_health_listener,
+)
 from nopecache.cache_server.limits import connection_options
+from nopecache.cache_server.listeners import LOOPBACK_HOSTS, check_bindable
+from nopecache.cache_server.listeners import bind_error as _bind_error
 from nopecache.cache_server.metrics import MetricsEndpoint, ServerMetrics
 from nopecache.cache_server.pins import PinTable
 from nopecache.cache_server.principals import CallLimiter, transport_rpc_cap
@@ -67,7 +75,6 @@ __all__ = ["RunningServer", "main", "serve", "start_server", "tier_health_name",
 
 # How often tier statistics are refreshed into the gauges and the health service.
 DEFAULT_MONITOR_INTERVAL_S = 2.0
-_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 log = logging.getLogger("nopecache.cache_server")
 
@@ -93,6 +100,14 @@ class RunningServer:
     pins: PinTable
     calls: CallLimiter | None = None
     tls: bool = False
+    # Port of the Admin service's own listener, of the health listener (None: none).
+    admin_port: int | None = None
+    health_port: int | None = None
+    # The Health.Watch limits of the gRPC port and of the health listener.
+    watches: WatchLimiter | None = None
+    health_watches: WatchLimiter | None = None
+    # The listeners beside the gRPC port (Admin, health): stopped with it.
+    side_servers: list[grpc.aio.Server] = field(default_factory=list)
     _monitor: asyncio.Task[None] | None = field(default=None, repr=False)
     _stopped: bool = False
 
@@ -110,7 +125,7 @@ class RunningServer:
         # Drain first: readiness off, new Puts refused UNAVAILABLE (clients go elsewhere);
         # then gRPC stops accepting calls and gives those in flight the grace.
         await self.drain()
-        await self.server.stop(grace)
+        await asyncio.gather(self.server.stop(grace), *(s.stop(grace) for s in self.side_servers))
         if self.service.bulk is not None:
             await self.service.bulk.close()
         await self.service.zero_copy.close()
@@ -189,7 +204,7 @@ async def start_server(
     tls = load_server_tls(config)
     if credentials is None and tls is not None:
         credentials = tls.credentials()
-    if tokens is not None and credentials is None and config.host not in _LOOPBACK_HOSTS:
+    if tokens is not None and credentials is None and config.host not in LOOPBACK_HOSTS:
         log.warning(
             "auth is on without TLS on %s: bearer tokens cross the network in clear", config.host
         )
@@ -208,6 +223,7 @@ async def start_server(
         metrics=metrics,
     )
     admin_gate = AdminGate(admins=admins, tenants=tokens, current=gate.current)
+    placement = admin_placement(config, authenticated=tokens is not None or admins is not None)
     for tenant in gate.tenants:
         if tenant.quota_bytes:
             metrics.tenant_usage(tenant.name, 0, tenant.quota_bytes)
@@ -221,6 +237,10 @@ async def start_server(
     pins = PinTable(config.pin_max_ttl_s)
     store.keep(pins)
     endpoint: MetricsEndpoint | None = None
+    side: list[grpc.aio.Server] = []
+    admin_port: int | None = None
+    health_port: int | None = None
+    health_watches: WatchLimiter | None = None
     try:
         service = KVCacheService(store, config, metrics, resolve_context=resolve_context)
         service.pins = pins
@@ -232,8 +252,13 @@ async def start_server(
             max_probe_calls_per_peer=config.max_probe_calls_per_peer,
             metrics=metrics,
         )
+        watches = WatchLimiter(
+            per_peer=config.max_health_watches_per_peer,
+            total=main_port_watches(config.max_concurrent_rpcs),
+            metrics=metrics,
+        )
         server = grpc.aio.server(
-            interceptors=[calls, gate, admin_gate, *interceptors],
+            interceptors=[watches, calls, gate, admin_gate, *interceptors],
             # Past what CallLimiter admits: its refusals name the option and spare the
             # clients under their share, gRPC's would refuse everyone alike.
             maximum_concurrent_rpcs=transport_rpc_cap(config.max_concurrent_rpcs),
@@ -255,11 +280,23 @@ async def start_server(
             metrics,
             on_drain=health_servicer.enter_graceful_shutdown,
         )
-        add_admin_to_server(admin, server)
+        if placement.on_port:
+            add_admin_to_server(admin, server)
+        if placement.listen is not None:
+            listener, admin_port = start_admin_listener(
+                config, placement, interceptors=[calls, admin_gate], credentials=credentials
+            )
+            add_admin_to_server(admin, listener)
+            side.append(listener)
+        if config.health_listen:
+            listener, health_port, health_watches = start_health_listener(
+                config, health_servicer, metrics
+            )
+            side.append(listener)
         reflection.enable_server_reflection(
             [
                 SERVICE_NAME,
-                ADMIN_SERVICE_NAME,
+                *([ADMIN_SERVICE_NAME] if placement.on_port else []),
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ],
@@ -271,7 +308,14 @@ async def start_server(
             if credentials is None:
                 port = server.add_insecure_port(target)
                 # Plaintext: Get payloads may also take the bulk byte stream (bulk.py).
-                service.offer_bulk(config.host)
+                bulk = service.offer_bulk(config.host)
+                if config.bulk_listen:
+                    try:
+                        bulk.listen()
+                    except OSError as e:
+                        raise ConfigError(
+                            f"bulk_listen: cannot listen on {config.bulk_listen}: {e}"
+                        ) from e
             else:
                 port = server.add_secure_port(target, credentials)
         except RuntimeError as e:  # gRPC says only "Failed to bind": the probe above did not
@@ -295,6 +339,8 @@ async def start_server(
                     )
                 ) from e
         await server.start()
+        for listener in side:
+            await listener.start()
     except BaseException:
         await store.close()
         if endpoint is not None:
@@ -313,6 +359,11 @@ async def start_server(
         pins=pins,
         calls=calls,
         tls=credentials is not None,
+        admin_port=admin_port,
+        health_port=health_port,
+        side_servers=side,
+        watches=watches,
+        health_watches=health_watches,
     )
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await running.refresh_tiers()
@@ -343,6 +394,12 @@ async def serve(config: ServerConfig) -> int:
         "mTLS" if config.tls_client_ca_file else "TLS" if running.tls else "plaintext",
         f"auth: {len(running.gate.tenants)} tenant(s)" if config.auth_enabled else "auth off",
     )
+    for what, port, host in (
+        ("Admin service", running.admin_port, config.admin_listen.rpartition(":")[0]),
+        ("health service", running.health_port, config.health_listen.rpartition(":")[0]),
+    ):
+        if port is not None:
+            log.info("%s on its own listener %s:%d", what, host, port)
     await stop.wait()
     log.info("shutting down: finishing in-flight requests (grace %.1fs)", config.shutdown_grace_s)
     await running.stop()
@@ -350,51 +407,9 @@ async def serve(config: ServerConfig) -> int:
     return 0
 
 
-def _bind_error(option: str, host_option: str, host: str, port: int, why: str) -> str:
-    """The one-line start-up error for a port that cannot be bound, naming the options."""
-    return (
-        f"{option}: cannot listen on {host}:{port} ({why}); choose another port with "
-        f"{flag_name(option)} (or {env_name(option)}), or another address with "
-        f"{flag_name(host_option)}"
-    )
-
-
-def check_bindable(host: str, port: int, option: str, host_option: str) -> None:
-    """Raise ConfigError naming ``option`` unless ``host:port`` can be bound now.
-
-    Probed with a plain socket before gRPC or the metrics exporter try it, so a busy port
-    is one clear line (gRPC's own failure is a generic message plus a core log line).
-    Port 0 (any free port) always binds.
-    """
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ConfigError(f"{host_option}: cannot resolve {host!r} ({e.strerror})") from e
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        # As the real listeners do: a port left in TIME_WAIT by a previous server is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise ConfigError(
-                _bind_error(option, host_option, host, port, e.strerror or str(e))
-            ) from e
-
-
 def _corrupt_counts(store: TieredStore) -> list[tuple[str, int]]:
-    """(tier, damaged values found so far) for the tiers that detect damage (Redis)."""
-    out: list[tuple[str, int]] = []
-    for tier in store.tiers:
-        if tier.name == "redis":
-            # Imported only here: redis-py is loaded already when a Redis tier exists.
-            from nopecache.cache_server.tiers.redis import RedisTier
-
-            assert isinstance(tier, RedisTier)
-            out.append((tier.name, tier.corrupt_values))
-    return out
+    """(tier, damaged values found so far) for every tier (memory tiers always count 0)."""
+    return [(tier.name, tier.corrupt_values) for tier in store.tiers]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -111,10 +111,7 @@ log = logging.getLogger(__name__)
 def _refuse_malformed(request: object) -> None:
     """Raise Refusal (BAD_REQUEST) for a request the deserializer could not parse."""
     if isinstance(request, MalformedRequest):
-        raise bad_request(
-            "bad_message",
-            f"{request.message_type}: not a valid protobuf message ({request.error})",
-        )
+        raise bad_request("bad_message", request.message)
 
 
 class KVCacheService:

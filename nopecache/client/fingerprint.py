@@ -1,30 +1,47 @@
 """ModelFingerprint: what must match for two blocks of KV to be interchangeable.
 
-Every key hashes the fingerprint's digest, so KV of another model, revision, layout,
-dtype or stored form can never be found under the same key. The encoding is explicit
-and length-prefixed (no pickle, no ``hash()``), identical on every process and machine:
+Every key hashes the fingerprint's digest, so KV of another model, revision, weights,
+quantization, config, layout, dtype, stored form or RoPE can never be found under the same
+key. The encoding is explicit and length-prefixed (no pickle, no ``hash()``), identical on
+every process and machine:
 
     offset  size  field
     0       4     magic b"NCFP"
-    4       1     encoding version (1)
+    4       1     encoding version (1 to 4, below)
     5       1     stored form (StoredForm value)
     6       4     num_layers    u32 little-endian
     10      4     num_kv_heads  u32
     14      4     head_dim      u32
     18      4+n   dtype         u32 length + ASCII torch dtype name ("bfloat16")
-    ..      4+n   model         u32 length + UTF-8
-    ..      4+n   revision      u32 length + UTF-8
+    ..      4+n   model         u32 length + UTF-8 (path or hub id, never a served alias)
+    ..      4+n   revision      u32 length + UTF-8 (commit hash, else the configured one)
     ..      4+16  rope_digest   u32 length (16) + RopeSpec.digest()
+
+The *model source* (what an engine loaded, ``model_source.py``) follows in versions 3
+and 4::
+
+    ..      4+n   quantization    u32 length + UTF-8 method name ("fp8"; "" unquantized)
+    ..      4+n   config_digest   u32 length (0 or 16) + digest of the text config
+    ..      4+n   weights_digest  u32 length (0 or 16) + digest of the weight files
+    ..      4     rope_max_len    u32: the max_model_len the engine's rotation depends on
+                                  (0: it depends on none)
 
 A *head group* (blocks that hold KV heads ``[kv_head_start, kv_head_start +
 num_kv_heads)`` of a model with ``kv_heads_total`` KV heads: what a tensor-parallel rank
-stores, see ``head_groups.py``) is encoded as version 2, the version-1 bytes followed by::
+stores, see ``head_groups.py``) appends, last::
 
     ..      4     kv_head_start   u32
     ..      4     kv_heads_total  u32
 
-A fingerprint of every head (``kv_heads_total == 0``) keeps version 1, so the keys of
-whole-head blocks do not change.
+    version  model source  head group
+    1        -             -
+    2        -             yes
+    3        yes           -
+    4        yes           yes
+
+Each fingerprint has exactly one encoding: a part that is empty (no source fields set,
+every head) is left out, so fingerprints made without a source keep their version-1/2
+bytes and keys, and ``from_bytes`` refuses a version-3/4 encoding of an empty source.
 """
 
 from __future__ import annotations
@@ -43,13 +60,18 @@ from nopecache.proto.block import DTYPE_ITEMSIZE, StoredForm
 # exactly those the block format can carry.
 SUPPORTED_DTYPES: frozenset[str] = frozenset(DTYPE_ITEMSIZE)
 ROPE_DIGEST_SIZE = 16
+SOURCE_DIGEST_SIZE = 16
 FINGERPRINT_DIGEST_SIZE = 16
 
 _MAGIC = b"NCFP"
 _VERSION = 1
 _VERSION_HEAD_GROUP = 2
+_VERSION_SOURCE = 3
+_VERSION_SOURCE_HEAD_GROUP = 4
+_VERSIONS = (_VERSION, _VERSION_HEAD_GROUP, _VERSION_SOURCE, _VERSION_SOURCE_HEAD_GROUP)
 _HEAD = struct.Struct("<4sBBIII")
 _GROUP = struct.Struct("<II")
+_U32 = struct.Struct("<I")
 _LEN = struct.Struct("<I")
 _U32_MAX = 2**32 - 1
 
@@ -73,7 +95,7 @@ def _check_count(name: str, value: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ModelFingerprint:
-    """Identity of a model's cached KV: model, revision, shape, dtype, form, RoPE."""
+    """Identity of a model's cached KV: model source, shape, dtype, form, RoPE."""
 
     model: str
     revision: str
@@ -86,6 +108,11 @@ class ModelFingerprint:
     # A head group of a model with kv_heads_total KV heads (0: every head, version 1).
     kv_head_start: int = 0
     kv_heads_total: int = 0
+    # The model source (model_source.py; all empty: none, versions 1 and 2).
+    quantization: str = ""  # the engine's weight quantization method ("" unquantized)
+    config_digest: bytes = b""  # 16 bytes: the text config as the engine loaded it
+    weights_digest: bytes = b""  # 16 bytes: the local weight files (b"": not local)
+    rope_max_len: int = 0  # max_model_len the rotation depends on (0: none)
     # Cached canonical encoding; keys hash the digest of it once per chunk.
     _encoded: bytes = field(init=False, repr=False, compare=False, hash=False)
 
@@ -114,7 +141,32 @@ class ModelFingerprint:
                 "rope_digest", f"must be {ROPE_DIGEST_SIZE} bytes (RopeSpec.digest())"
             )
         self._check_group()
+        self._check_source()
         object.__setattr__(self, "_encoded", self._encode())
+
+    def _check_source(self) -> None:
+        if not isinstance(self.quantization, str):
+            raise InvalidArgumentError(
+                "quantization", f"must be a str ('' unquantized), got {self.quantization!r}"
+            )
+        for name in ("config_digest", "weights_digest"):
+            value = getattr(self, name)
+            if not isinstance(value, bytes) or len(value) not in (0, SOURCE_DIGEST_SIZE):
+                raise InvalidArgumentError(
+                    name, f"must be b'' or {SOURCE_DIGEST_SIZE} bytes, got {value!r:.40}"
+                )
+        length = self.rope_max_len
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= _U32_MAX:
+            raise InvalidArgumentError(
+                "rope_max_len", f"must be an int in [0, 2**32), got {length!r}"
+            )
+
+    @property
+    def has_source(self) -> bool:
+        """True when any model-source field is set (encoding version 3 or 4)."""
+        return bool(
+            self.quantization or self.config_digest or self.weights_digest or self.rope_max_len
+        )
 
     def _check_group(self) -> None:
         start, total = self.kv_head_start, self.kv_heads_total
@@ -160,6 +212,10 @@ class ModelFingerprint:
         dtype: torch.dtype | str,
         form: StoredForm,
         rope: RopeSpec,
+        quantization: str = "",
+        config_digest: bytes = b"",
+        weights_digest: bytes = b"",
+        rope_max_len: int = 0,
     ) -> ModelFingerprint:
         """Fingerprint whose head_dim and RoPE digest come from ``rope``."""
         return cls(
@@ -171,6 +227,10 @@ class ModelFingerprint:
             dtype=dtype_name(dtype),
             form=form,
             rope_digest=rope.digest(),
+            quantization=quantization,
+            config_digest=config_digest,
+            weights_digest=weights_digest,
+            rope_max_len=rope_max_len,
         )
 
     @property
@@ -181,7 +241,7 @@ class ModelFingerprint:
         return dt
 
     def _encode(self) -> bytes:
-        version = _VERSION_HEAD_GROUP if self.is_head_group else _VERSION
+        version = (_VERSION_SOURCE if self.has_source else _VERSION) + self.is_head_group
         parts = [
             _HEAD.pack(
                 _MAGIC,
@@ -200,6 +260,15 @@ class ModelFingerprint:
         ):
             parts.append(_LEN.pack(len(blob)))
             parts.append(blob)
+        if self.has_source:
+            for blob in (
+                self.quantization.encode("utf-8"),
+                self.config_digest,
+                self.weights_digest,
+            ):
+                parts.append(_LEN.pack(len(blob)))
+                parts.append(blob)
+            parts.append(_U32.pack(self.rope_max_len))
         if self.is_head_group:
             parts.append(_GROUP.pack(self.kv_head_start, self.kv_heads_total))
         return b"".join(parts)
@@ -217,42 +286,35 @@ class ModelFingerprint:
         """Decode :meth:`to_bytes` output; malformed input raises InvalidArgumentError."""
         if not isinstance(data, bytes | bytearray | memoryview):
             raise InvalidArgumentError("data", f"must be bytes, got {type(data).__name__}")
-        buf = bytes(data)
-        if len(buf) < _HEAD.size:
-            raise InvalidArgumentError("data", f"{len(buf)} bytes is shorter than the header")
-        magic, version, form, layers, heads, head_dim = _HEAD.unpack_from(buf)
+        reader = _Reader(bytes(data))
+        if len(reader.buf) < _HEAD.size:
+            raise InvalidArgumentError(
+                "data", f"{len(reader.buf)} bytes is shorter than the header"
+            )
+        magic, version, form, layers, heads, head_dim = _HEAD.unpack_from(reader.buf)
         if magic != _MAGIC:
             raise InvalidArgumentError("data", f"bad magic {magic!r}, expected {_MAGIC!r}")
-        if version not in (_VERSION, _VERSION_HEAD_GROUP):
+        if version not in _VERSIONS:
             raise InvalidArgumentError("data", f"unknown fingerprint encoding v{version}")
-        pos = _HEAD.size
-        blobs: list[bytes] = []
-        for name in ("dtype", "model", "revision", "rope_digest"):
-            if pos + _LEN.size > len(buf):
-                raise InvalidArgumentError("data", f"truncated before the {name} length")
-            (n,) = _LEN.unpack_from(buf, pos)
-            pos += _LEN.size
-            if pos + n > len(buf):
-                raise InvalidArgumentError("data", f"truncated inside {name}")
-            blobs.append(buf[pos : pos + n])
-            pos += n
-        group = (0, 0)
-        if version == _VERSION_HEAD_GROUP:
-            if pos + _GROUP.size > len(buf):
-                raise InvalidArgumentError("data", "truncated inside the head group")
-            group = _GROUP.unpack_from(buf, pos)
-            pos += _GROUP.size
+        reader.pos = _HEAD.size
+        dtype, model, revision = (reader.text(name) for name in ("dtype", "model", "revision"))
+        rope_digest = reader.blob("rope_digest")
+        source: dict[str, object] = {}
+        if version in (_VERSION_SOURCE, _VERSION_SOURCE_HEAD_GROUP):
+            source["quantization"] = reader.text("quantization")
+            source["config_digest"] = reader.blob("config_digest")
+            source["weights_digest"] = reader.blob("weights_digest")
+            (source["rope_max_len"],) = reader.fixed(_U32, "rope_max_len")
+        group: tuple[int, ...] = (0, 0)
+        if version in (_VERSION_HEAD_GROUP, _VERSION_SOURCE_HEAD_GROUP):
+            group = reader.fixed(_GROUP, "the head group")
             if group[1] == 0:
-                raise InvalidArgumentError("data", "a version-2 fingerprint with 0 heads in all")
-        if pos != len(buf):
-            raise InvalidArgumentError("data", f"{len(buf) - pos} trailing bytes")
-        try:
-            dtype = blobs[0].decode("ascii")
-            model = blobs[1].decode("utf-8")
-            revision = blobs[2].decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidArgumentError("data", f"invalid text field: {exc}") from None
-        return cls(
+                raise InvalidArgumentError(
+                    "data", f"a version-{version} fingerprint with 0 heads in all"
+                )
+        if reader.pos != len(reader.buf):
+            raise InvalidArgumentError("data", f"{len(reader.buf) - reader.pos} trailing bytes")
+        fp = cls(
             model=model,
             revision=revision,
             num_layers=layers,
@@ -260,7 +322,43 @@ class ModelFingerprint:
             head_dim=head_dim,
             dtype=dtype,
             form=form,
-            rope_digest=blobs[3],
+            rope_digest=rope_digest,
             kv_head_start=group[0],
             kv_heads_total=group[1],
+            **source,  # type: ignore[arg-type]  # checked by __post_init__
         )
+        if source and not fp.has_source:
+            raise InvalidArgumentError("data", f"a version-{version} fingerprint with no source")
+        return fp
+
+
+class _Reader:
+    """Length-prefixed fields of an encoding, read in order; errors name the field."""
+
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def blob(self, name: str) -> bytes:
+        if self.pos + _LEN.size > len(self.buf):
+            raise InvalidArgumentError("data", f"truncated before the {name} length")
+        (n,) = _LEN.unpack_from(self.buf, self.pos)
+        self.pos += _LEN.size
+        if self.pos + n > len(self.buf):
+            raise InvalidArgumentError("data", f"truncated inside {name}")
+        self.pos += n
+        return self.buf[self.pos - n : self.pos]
+
+    def text(self, name: str) -> str:
+        raw = self.blob(name)
+        try:
+            return raw.decode("ascii" if name == "dtype" else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgumentError("data", f"invalid text field: {exc}") from None
+
+    def fixed(self, layout: struct.Struct, name: str) -> tuple[int, ...]:
+        if self.pos + layout.size > len(self.buf):
+            raise InvalidArgumentError("data", f"truncated inside {name}")
+        values = layout.unpack_from(self.buf, self.pos)
+        self.pos += layout.size
+        return values

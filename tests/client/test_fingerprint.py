@@ -65,14 +65,21 @@ def fingerprints() -> st.SearchStrategy[ModelFingerprint]:
         dtype=st.sampled_from(sorted(SUPPORTED_DTYPES)),
         form=st.sampled_from(list(StoredForm)),
         rope_digest=st.binary(min_size=16, max_size=16),
+        quantization=st.text(max_size=12),
+        config_digest=st.sampled_from([b"", bytes(range(16))]),
+        weights_digest=st.sampled_from([b"", bytes(range(3, 19))]),
+        rope_max_len=st.sampled_from([0, 1, 4096, 2**32 - 1]),
     )
 
 
-@given(fp=fingerprints())
-def test_bytes_round_trip(fp: ModelFingerprint) -> None:
+@given(fp=fingerprints(), group=st.booleans())
+def test_bytes_round_trip(fp: ModelFingerprint, group: bool) -> None:
+    if group and fp.num_kv_heads > 1:
+        fp = fp.head_group(1, fp.num_kv_heads - 1)
     assert ModelFingerprint.from_bytes(fp.to_bytes()) == fp
     assert pickle.loads(pickle.dumps(fp)) == fp
     assert len(fp.digest()) == 16
+    assert fp.to_bytes()[4] == 1 + fp.is_head_group + 2 * fp.has_source
 
 
 @pytest.mark.parametrize(
@@ -87,6 +94,10 @@ def test_bytes_round_trip(fp: ModelFingerprint) -> None:
         {"form": StoredForm.ROPE},
         {"form": StoredForm.MLA},
         {"rope_digest": bytes(range(1, 17))},
+        {"quantization": "fp8"},
+        {"config_digest": bytes(range(16))},
+        {"weights_digest": bytes(range(16))},
+        {"rope_max_len": 8192},
     ],
 )
 def test_every_field_changes_the_digest(change: dict[str, object]) -> None:
@@ -150,6 +161,13 @@ def test_dtype_name_canonicalises_torch_dtypes() -> None:
         ({"form": 9}, "form"),
         ({"rope_digest": b"short"}, "rope_digest"),
         ({"rope_digest": "0" * 16}, "rope_digest"),
+        ({"quantization": None}, "quantization"),
+        ({"config_digest": b"short"}, "config_digest"),
+        ({"config_digest": "0" * 16}, "config_digest"),
+        ({"weights_digest": bytes(17)}, "weights_digest"),
+        ({"rope_max_len": -1}, "rope_max_len"),
+        ({"rope_max_len": 2**32}, "rope_max_len"),
+        ({"rope_max_len": True}, "rope_max_len"),
     ],
 )
 def test_bad_fields_raise_naming_the_field(change: dict[str, object], argument: str) -> None:
@@ -174,7 +192,9 @@ def test_invalid_argument_error_survives_pickling() -> None:
     [
         (b"NCF", "shorter than the header"),
         (b"XXXX" + FP.to_bytes()[4:], "bad magic"),
-        (FP.to_bytes()[:4] + b"\x03" + FP.to_bytes()[5:], "unknown fingerprint encoding v3"),
+        (FP.to_bytes()[:4] + b"\x05" + FP.to_bytes()[5:], "unknown fingerprint encoding v5"),
+        # A version-3 header over version-1 bytes: the source fields are missing.
+        (FP.to_bytes()[:4] + b"\x03" + FP.to_bytes()[5:], "truncated before the quantization"),
         (FP.to_bytes()[:-3], "truncated inside rope_digest"),
         (FP.to_bytes()[:24], "truncated inside dtype"),
         (FP.to_bytes()[:32], "truncated before the model length"),
@@ -184,4 +204,51 @@ def test_invalid_argument_error_survives_pickling() -> None:
 )
 def test_from_bytes_rejects_malformed_input(data: bytes, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
+        ModelFingerprint.from_bytes(data)
+
+
+# The model source of an engine (quantization, config, weights, RoPE length): version 3.
+SOURCED = dataclasses.replace(
+    FP,
+    quantization="fp8",
+    config_digest=bytes(range(16, 32)),
+    weights_digest=bytes(range(32, 48)),
+    rope_max_len=4096,
+)
+
+
+def test_a_model_source_follows_the_documented_layout() -> None:
+    def blob(b: bytes) -> bytes:
+        return len(b).to_bytes(4, "little") + b
+
+    tail = blob(b"fp8") + blob(bytes(range(16, 32))) + blob(bytes(range(32, 48)))
+    tail += (4096).to_bytes(4, "little")
+    assert SOURCED.to_bytes() == b"NCFP" + bytes([3]) + FP.to_bytes()[5:] + tail
+    assert SOURCED.digest().hex() == xxhash.xxh3_128_hexdigest(SOURCED.to_bytes())
+    # Checked in, like FP's: a change orphans every block an engine stored.
+    assert SOURCED.digest().hex() == "809b131c41119ab479519ef0f050cec2"
+
+
+def test_a_head_group_of_a_sourced_fingerprint_is_version_4() -> None:
+    group = SOURCED.head_group(1, 2)
+    data = group.to_bytes()
+    assert data[4] == 4
+    assert (
+        data[:4] + bytes([3]) + data[5:-8]
+        == dataclasses.replace(SOURCED, num_kv_heads=2).to_bytes()
+    )
+    assert data[-8:] == (1).to_bytes(4, "little") + (3).to_bytes(4, "little")
+    assert ModelFingerprint.from_bytes(data) == group
+
+
+def test_an_empty_source_keeps_the_version_1_bytes() -> None:
+    empty = dataclasses.replace(SOURCED, quantization="", config_digest=b"", weights_digest=b"")
+    assert empty.has_source and empty.to_bytes()[4] == 3  # rope_max_len alone is a source
+    none = dataclasses.replace(empty, rope_max_len=0)
+    assert not none.has_source and none.to_bytes() == FP.to_bytes()
+
+
+def test_from_bytes_refuses_a_second_encoding_of_an_empty_source() -> None:
+    data = b"NCFP" + bytes([3]) + FP.to_bytes()[5:] + bytes(4) * 4
+    with pytest.raises(InvalidArgumentError, match="a version-3 fingerprint with no source"):
         ModelFingerprint.from_bytes(data)

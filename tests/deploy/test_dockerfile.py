@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tomllib
@@ -258,6 +259,21 @@ def test_healthcheck_follows_the_config_file_and_reports_unknown_services(
     assert healthcheck.main(["a", "b"]) == 2
     monkeypatch.setenv("NOPECACHE_PORT", "not-a-port")
     assert healthcheck.main([]) == 2
+
+
+def test_healthcheck_asks_the_health_listener_when_there_is_one(
+    cache_server: CacheServerProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With health_listen set the check asks it, not the gRPC port (closed here)."""
+    healthcheck = _load_healthcheck()
+    for name in [k for k in os.environ if k.startswith("NOPECACHE_")]:
+        monkeypatch.delenv(name)
+    with socket.socket() as closed:  # a port nothing listens on: bound, never listening
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("NOPECACHE_PORT", str(closed.getsockname()[1]))
+        assert healthcheck.main([]) == 1
+        monkeypatch.setenv("NOPECACHE_HEALTH_LISTEN", f"0.0.0.0:{cache_server.port}")
+        assert healthcheck.main([]) == 0
 
 
 @pytest.mark.parametrize(

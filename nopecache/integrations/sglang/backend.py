@@ -20,7 +20,10 @@ pool with ``register_mem_pool_host``. Then the cache controller's threads call::
 ``keys`` are SGLang's chained page hashes (hex strings); each names the whole prefix up to
 its page, so this is exact-prefix reuse of opaque page bytes (post-RoPE K, never rotated).
 A block key is ``engine_page_key(fingerprint, namespace, page hash)`` with the pool's
-fingerprint (``identity.py``). Pages move in the pool's own byte order (``pages.py``).
+fingerprint (``identity.py``). SGLang's page hash already names the request's LoRA adapter,
+cache salt, extra key and images (``tests/integrations/sglang/test_page_identity.py``);
+when SGLang loads adapters at start-up, whose ids name no content, the hash is scoped by
+their files first (``adapters.py``). Pages move in the pool's own byte order (``pages.py``).
 
 Failures are misses: a down, slow or hung server, a block that fails verification, a
 malformed argument. The batch calls return a bool per page (never None: SGLang's backup
@@ -46,8 +49,10 @@ from nopecache.client.buffers import BufferPool
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.keyed_blocks import KeyedBlockClient, StoreStatus
 from nopecache.client.keys import engine_page_key
+from nopecache.client.model_source import ModelSource
 from nopecache.integrations.sglang import compat
-from nopecache.integrations.sglang.config import BackendConfig, SGLangConfigError
+from nopecache.integrations.sglang.adapters import adapter_scope, scoped_page_hash
+from nopecache.integrations.sglang.config import BackendConfig
 from nopecache.integrations.sglang.identity import page_fingerprint
 from nopecache.integrations.sglang.pages import PageOrder, PagePool, PoolGeometry
 from nopecache.proto.block import BlockError, StoredForm, build_block_into, validate
@@ -69,10 +74,12 @@ class NopecacheStorage(HiCacheStorage):
         """Validate SGLang's extra config and create the client (no server is contacted)."""
         self.settings = BackendConfig.from_extra_config(storage_config.extra_config)
         self.identity = compat.page_identity(storage_config)
-        model = self.settings.model or storage_config.model_name
-        if not model:
-            raise SGLangConfigError("model", "is required when SGLang gives no model name")
-        self.model: str = model
+        # What SGLang loaded, from its own model config: never the name alone.
+        model_config = compat.model_config(kwargs)
+        self.source: ModelSource = compat.model_source(model_config, self.settings.model)
+        self._model_dtype = compat.model_dtype(model_config)
+        # Read once: SGLang loads its start-up adapters before it builds this backend.
+        self.adapter_scope = adapter_scope(compat.startup_adapters())
         self.client = KeyedBlockClient(self.settings.client)
         self.pages: PagePool | None = None
         self._fingerprints: dict[PageOrder, ModelFingerprint] = {}
@@ -94,7 +101,7 @@ class NopecacheStorage(HiCacheStorage):
         geometry = compat.pool_geometry(mem_pool_host)
         self.pages = PagePool(geometry)
         self._fingerprints = {
-            order: page_fingerprint(self.model, geometry, self.identity, order)
+            order: page_fingerprint(self.source, self._model_dtype, geometry, self.identity, order)
             for order in ("token_major", "layer_major")
         }
 
@@ -114,7 +121,10 @@ class NopecacheStorage(HiCacheStorage):
     def _keys(self, keys: Sequence[str], order: PageOrder) -> list[bytes]:
         fp = self.fingerprint(order)
         ns = self.settings.namespace
-        return [engine_page_key(fp, ns, k).value for k in keys]
+        scope = self.adapter_scope
+        if scope is None:
+            return [engine_page_key(fp, ns, k).value for k in keys]
+        return [engine_page_key(fp, ns, scoped_page_hash(scope, k)).value for k in keys]
 
     @property
     def _lookup_order(self) -> PageOrder:

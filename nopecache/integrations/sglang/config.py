@@ -7,8 +7,11 @@ SGLang hands a dynamic backend the whole extra-config dict. Its own keys load th
     url               required  nopecache://host:port[,host:port...][?query]  (the client's
                                 URL: every ClientConfig field has a query parameter)
     namespace         ""        tenant salt: only servers' blocks of the same namespace match
-    model             SGLang's  the model name in the fingerprint (default: SGLang's served
-                                model name; set it when two deployments name one model apart)
+    model             SGLang's  the model's name in the fingerprint, in place of its path
+                      path      (default: SGLang's --model-path; set it when two
+                                deployments hold one checkpoint at different paths: the
+                                revision, quantization, config, weights and RoPE still
+                                have to match)
     lookup_timeout_s  URL's     seconds per Lookup (batch_exists), > 0
     get_timeout_s     URL's     seconds per Get stream (batch_get_v1), > 0
     put_timeout_s     URL's     seconds per Put stream (batch_set_v1), > 0

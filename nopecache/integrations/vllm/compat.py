@@ -65,10 +65,14 @@ __all__ = [
     "kv_cache_dtype",
     "kv_events",
     "kv_events_enabled",
+    "layer_rotary",
     "llama_modules",
     "lora_label",
+    "max_model_len",
     "mm_placeholders",
     "model_dtype",
+    "model_path",
+    "model_revision",
     "model_shape",
     "num_scheduled_tokens",
     "output_projection",
@@ -80,13 +84,16 @@ __all__ = [
     "prompt_token_ids",
     "qkv",
     "qkv_rope",
+    "quantization",
     "recompute_load_failures",
     "request_id",
     "residual_norm",
     "rope",
+    "rope_types",
+    "rotate_keys",
     "scheduled_requests",
-    "served_model",
     "tensor_parallel_rank",
+    "text_config_dict",
     "tokenizer",
     "total_kv_heads",
     "total_scheduled_tokens",
@@ -137,13 +144,42 @@ def tensor_parallel_rank(vllm_config: VllmConfig) -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-def served_model(vllm_config: VllmConfig) -> tuple[str, str]:
-    """The name the model is served under (its path when unnamed) and its revision."""
+def model_path(vllm_config: VllmConfig) -> str:
+    """The model's path or hub id (``--model``; never the served name, a label)."""
+    return str(vllm_config.model_config.model)
+
+
+def model_revision(vllm_config: VllmConfig) -> str:
+    """The commit hash transformers read the config at, else the configured revision."""
     model_config = vllm_config.model_config
-    name = model_config.served_model_name
-    if isinstance(name, list | tuple):
-        name = name[0]
-    return str(name or model_config.model), str(model_config.revision or "")
+    for config in (model_config.hf_config, model_config.hf_text_config):
+        commit = getattr(config, "_commit_hash", None)
+        if commit:
+            return str(commit)
+    return str(model_config.revision or "")
+
+
+def quantization(vllm_config: VllmConfig) -> str:
+    """The weights' quantization method as vLLM resolved it ("" unquantized)."""
+    return str(vllm_config.model_config.quantization or "")
+
+
+def max_model_len(vllm_config: VllmConfig) -> int:
+    """The longest sequence this engine runs (``max_model_len`` as vLLM resolved it)."""
+    return int(vllm_config.model_config.max_model_len)
+
+
+def text_config_dict(vllm_config: VllmConfig) -> dict[str, Any]:
+    """The text config as vLLM loaded it (hf overrides applied), as plain data."""
+    return dict(vllm_config.model_config.hf_text_config.to_dict())
+
+
+def rope_types(vllm_config: VllmConfig) -> list[str]:
+    """The RoPE types vLLM builds rotary embeddings from, one per layer type."""
+    from vllm.transformers_utils.config import iter_rope_parameters
+
+    config = vllm_config.model_config.hf_text_config
+    return [str(p.get("rope_type", "default")) for p in iter_rope_parameters(config)]
 
 
 def kv_cache_dtype(vllm_config: VllmConfig) -> str | None:
@@ -374,6 +410,29 @@ def attention_layers(vllm_config: VllmConfig, names: Iterable[str]) -> dict[str,
     """The attention modules vLLM registered under ``names`` (those it has)."""
     context = vllm_config.compilation_config.static_forward_context
     return {name: context[name] for name in names if name in context}
+
+
+def layer_rotary(model: nn.Module, attention_name: str) -> nn.Module | None:
+    """The rotary embedding of the attention layer vLLM registered as ``attention_name``
+    (``model.layers.3.self_attn.attn``): its parent module's ``rotary_emb``; None when
+    that module has none (the layer does not rotate, as far as the connector can tell)."""
+    parent, _, _ = attention_name.rpartition(".")
+    try:
+        owner = model.get_submodule(parent) if parent else model
+    except AttributeError:
+        return None
+    rotary = getattr(owner, "rotary_emb", None)
+    return rotary if isinstance(rotary, nn.Module) else None
+
+
+def rotate_keys(rotary: nn.Module, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE K ``[n, kv_heads, head_dim]`` rotated to ``positions`` by vLLM's rotary
+    module as the layer's forward calls it (``rotary_emb(positions, q, k)``, flat over
+    heads, possibly in place: it is handed copies); ``k`` is left unchanged."""
+    n = k.shape[0]
+    flat = k.reshape(n, -1)
+    _, rotated = rotary(positions, flat.clone(), flat.clone())
+    return torch.as_tensor(rotated).reshape(k.shape)
 
 
 # -- the CPU cache writer -------------------------------------------------------------

@@ -18,7 +18,9 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
     recompute_budget
                  float  0.15         blend only: share of the reused position-independent
                                      token-layers the policy recomputes, in [0, 1]
-    namespace    str    ""           salt separating workloads within one tenant
+    namespace    str    ""           salt separating workloads within one tenant; unset,
+                                     the url's ``?namespace=`` (the two given and
+                                     different: a start-up error naming both)
     load         bool   true         look up and load cached KV
     load_async   bool   true         fetch in the background while vLLM runs other
                                      requests (the request waits in
@@ -44,9 +46,10 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      (keys and store/fetch rotation), e.g.
                                      {"rope_type": "linear", "factor": 2.0,
                                      "rope_theta": 100000}: for a model whose config
-                                     does not state the RoPE it runs. In blend mode the
-                                     correctness gate checks it against the model's own
-                                     rotary embedding (gate.py)
+                                     does not state the RoPE it runs. Checked at
+                                     start-up against every layer's own rotary
+                                     embedding like the config's (rope_check.py): a
+                                     mismatch turns position-independent reuse off
     blend_check_share
                  float  0.01         blend only: share of blended requests re-checked in
                                      the background against a full prefill, in [0, 1]
@@ -68,15 +71,18 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      engines of the same TP size
 
 Anything else, a wrong type or a bad value raises :class:`ConnectorConfigError` at
-start-up, naming the key. The model fingerprint (name, revision, layers, KV heads, head
-dim, KV dtype, RoPE spec) comes from vLLM's ``VllmConfig``, never from the user, so two
-engines share blocks exactly when they run the same model with the same KV dtype.
+start-up, naming the key. The model fingerprint comes from vLLM's ``VllmConfig``, never
+from the user: the model path or hub id (``--model``; the served name is only a label),
+the config's commit hash else ``--revision``, ``--quantization``, the text config as vLLM
+loaded it (digest), the local weight files (sampled digest), layers, KV heads, head dim,
+the KV cache dtype, and the RoPE vLLM applies at this engine's ``max_model_len``
+(``client/model_source.py``). Two engines share blocks exactly when all of them match.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -85,6 +91,7 @@ from nopecache.client.config import ClientConfig
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.head_groups import HeadGroup, rank_head_groups
+from nopecache.client.model_source import ModelSource
 from nopecache.integrations.vllm import compat
 from nopecache.integrations.vllm.errors import ConnectorConfigError, UnsupportedEngineError
 from nopecache.integrations.vllm.events import DEFAULT_MEDIUM
@@ -134,6 +141,25 @@ def _token_ids(key: str, value: object) -> frozenset[int]:
     ):
         raise ConnectorConfigError(key, f"must be a list of token ids (ints >= 0), got {value!r}")
     return frozenset(value)
+
+
+def _namespace(client: ClientConfig, given: object) -> str:
+    """The key namespace: the extra config's, else the url's ``?namespace=``.
+
+    The connector passes its namespace on every call, which overrides the client's own:
+    taking the url's here keeps a ``?namespace=`` from being silently dropped, and two
+    different values are refused rather than one picked.
+    """
+    if given is None:
+        return client.namespace
+    namespace = _str("namespace", given)
+    if client.namespace and namespace != client.namespace:
+        raise ConnectorConfigError(
+            "namespace",
+            f"{namespace!r} differs from the url's ?namespace={client.namespace!r}; "
+            "give one of them, or the same value in both",
+        )
+    return namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +279,9 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "kv_head_group", f"must be a number of KV heads >= 1, got {group!r}"
             )
+        namespace = _namespace(client, extra.get("namespace"))
         return cls(
-            client=client,
+            client=replace(client, namespace=namespace),
             kv_head_group=group,
             lookup_wait_ms=float(wait),
             kv_event_medium=medium,
@@ -263,7 +290,7 @@ class ConnectorConfig:
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
             recompute_policy=policy,
             recompute_budget=float(budget),
-            namespace=_str("namespace", extra.get("namespace", "")),
+            namespace=namespace,
             load=_bool("load", extra.get("load", True)),
             load_async=_bool("load_async", extra.get("load_async", True)),
             save=_bool("save", extra.get("save", True)),
@@ -344,16 +371,22 @@ class ModelIdentity:
         return self.fingerprint.torch_dtype
 
 
+# kv_cache_dtype names of unquantized caches. The KV's values depend on the dtype the
+# model computes in as well as on the cache's, so only a cache of the model's own dtype
+# (what "auto" picks) is served; fp8 KV and every other quantized cache are refused.
+_PLAIN_KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
     cache_dtype = compat.kv_cache_dtype(vllm_config)
-    if cache_dtype not in ("auto", None):
-        raise UnsupportedEngineError(
-            f"kv_cache_dtype={cache_dtype!r}: the connector stores unquantized KV only; "
-            "use kv_cache_dtype='auto'"
-        )
     dtype = compat.model_dtype(vllm_config)
     if not isinstance(dtype, torch.dtype):
         raise UnsupportedEngineError(f"model dtype {dtype!r} is not a torch.dtype")
+    if cache_dtype not in ("auto", None) and _PLAIN_KV_DTYPES.get(cache_dtype) != dtype:
+        raise UnsupportedEngineError(
+            f"kv_cache_dtype={cache_dtype!r}: the connector stores unquantized KV of the "
+            f"model's dtype ({dtype}) only; use kv_cache_dtype='auto'"
+        )
     return dtype
 
 
@@ -366,6 +399,24 @@ def _rope(vllm_config: VllmConfig, override: Mapping[str, Any] | None) -> RopeSp
         return RopeSpec.from_hf_config(merged)
     except (ValueError, TypeError, KeyError) as err:
         raise ConnectorConfigError("rope_override", str(err)) from None
+
+
+def _source(vllm_config: VllmConfig, rope: RopeSpec) -> ModelSource:
+    model = compat.model_path(vllm_config)
+    try:
+        return ModelSource.derive(
+            model=model,
+            revision=compat.model_revision(vllm_config),
+            quantization=compat.quantization(vllm_config),
+            text_config=compat.text_config_dict(vllm_config),
+            max_model_len=compat.max_model_len(vllm_config),
+            # What vLLM builds per layer type, and the spec's type (rope_override's).
+            rope_types_applied=[rope.scaling_type, *compat.rope_types(vllm_config)],
+        )
+    except InvalidArgumentError as err:
+        raise UnsupportedEngineError(f"cannot identify the model: {err}") from err
+    except OSError as err:
+        raise UnsupportedEngineError(f"cannot read the weight files of {model}: {err}") from err
 
 
 def model_identity(
@@ -407,10 +458,8 @@ def model_identity(
         raise UnsupportedEngineError(
             f"head size {head_dim} differs from the RoPE spec's head_dim {rope.head_dim}"
         )
-    name, revision = compat.served_model(vllm_config)
     fingerprint = ModelFingerprint.from_rope_spec(
-        model=name,
-        revision=revision,
+        **_source(vllm_config, rope).fingerprint_fields(),
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         dtype=_kv_dtype(vllm_config),

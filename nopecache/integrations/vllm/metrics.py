@@ -109,7 +109,9 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "loaded_bytes": "Block bytes fetched from nopecache servers",
         "load_seconds": "Seconds spent fetching and placing loads",
         "load_errors": "Claimed blocks that failed to load (vLLM recomputed them)",
+        "load_failures": "Loads that raised an error (their blocks were recomputed)",
         "saved_tokens": "Prompt tokens handed to the store queue",
+        "save_failures": "Saves that raised an error (the request's KV was not stored)",
         "save_dropped": "Stores dropped because the client's queue was full",
         "lookups": "Prompts looked up",
         "lookup_failures": "Lookups that failed (the request ran uncached)",
@@ -121,6 +123,9 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "recomputed_token_layers": "Of those token-layers, the ones the blend loop recomputed",
         "blend_fallbacks": "Requests whose blend claim was refused or fell back to the prefix",
         "blend_checks": "Blended requests re-checked against a full prefill (sampled)",
+        "rope_check_failed": (
+            "Workers whose start-up RoPE check turned position-independent reuse off"
+        ),
     }
     _HISTOGRAMS: ClassVar[dict[str, str]] = {
         "blend_kl": "KL(full prefill || blend) of a sampled blended request's answer (nats)",

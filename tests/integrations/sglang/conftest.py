@@ -4,12 +4,16 @@ They are collected only where SGLang is importable (``make test-sglang`` runs
 ``.venv-sglang/bin/python -m pytest tests/integrations/sglang``); the main environment skips
 this folder. Host pools are SGLang's real ``MHATokenToKVPoolHost`` over a real
 ``MHATokenToKVPool`` on the CPU, tiny shapes; servers are real nopecache servers on loopback.
+The model is a tiny Llama folder of the pools' shape, described by SGLang's own
+``ModelConfig`` (what its scheduler builds from ``--model-path``), handed to the backend as
+the factory's ``model_config`` keyword.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +29,12 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from nopecache.integrations.sglang.backend import NopecacheStorage  # noqa: E402
-from tests.support.sglang_pools import cpu_device_pool, host_pool_over  # noqa: E402
+from tests.support.sglang_pools import (  # noqa: E402
+    cpu_device_pool,
+    host_pool_over,
+    tiny_model_config,
+    tiny_model_folder,
+)
 
 MODEL = "tiny-sglang-test"
 PAGE_SIZE = 4
@@ -75,6 +84,19 @@ def storage_config(
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama folder of the pools' shape (3 layers, 2 KV heads of 8)."""
+    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
+    return tiny_model_folder(folder, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM)
+
+
+@pytest.fixture(scope="session")
+def model_config(tiny_model: Path) -> Any:
+    """SGLang's ``ModelConfig`` of ``tiny_model`` (bf16, 2048 tokens of context)."""
+    return tiny_model_config(tiny_model)
+
+
+@pytest.fixture(scope="session")
 def device_pool() -> MHATokenToKVPool:
     """One real device KV pool on the CPU (bf16, 3 layers, 2 heads of 8)."""
     return cpu_device_pool(
@@ -97,15 +119,19 @@ def host_pool(device_pool: MHATokenToKVPool) -> HostFactory:
 
 
 @pytest.fixture
-def backends() -> Iterator[BackendFactory]:
-    """``backends(host, extra, **config_fields)``: a backend built by SGLang's dynamic
-    factory for ``host`` and registered with it, as the cache controller does; all closed
-    after the test."""
+def backends(model_config: Any) -> Iterator[BackendFactory]:
+    """``backends(host, extra, model=..., **config_fields)``: a backend built by SGLang's
+    dynamic factory for ``host`` (and the ``model`` ModelConfig, default ``model_config``)
+    and registered with it, as the cache controller does; all closed after the test."""
     made: list[NopecacheStorage] = []
 
-    def make(host: Any, extra: dict[str, Any], **fields: Any) -> NopecacheStorage:
+    def make(
+        host: Any, extra: dict[str, Any], model: Any = None, **fields: Any
+    ) -> NopecacheStorage:
         config = storage_config(extra, layout=host.layout, **fields)
-        backend = StorageBackendFactory.create_backend("dynamic", config, host)
+        backend = StorageBackendFactory.create_backend(
+            "dynamic", config, host, model_config=model or model_config
+        )
         assert isinstance(backend, NopecacheStorage)
         backend.register_mem_pool_host(host)
         made.append(backend)

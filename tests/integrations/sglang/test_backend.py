@@ -7,6 +7,9 @@ server on loopback. One host pool writes (the first "engine"), another reads (th
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -48,11 +51,13 @@ def page_bytes(host: object, page: int) -> bytes:
 
 
 def test_factory_builds_backend_from_extra_config(
-    cache_server: CacheServerProc, host_pool: HostFactory
+    cache_server: CacheServerProc, host_pool: HostFactory, tiny_model: Path, model_config: Any
 ) -> None:
     host = host_pool("page_first")
     config = storage_config(extra_config(url_of(cache_server), namespace="team-a"))
-    backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", config, host, model_config=model_config
+    )
     try:
         assert type(backend) is NopecacheStorage
         backend.register_mem_pool_host(host)
@@ -60,7 +65,7 @@ def test_factory_builds_backend_from_extra_config(
         assert backend.settings.interface_v1 is True
         assert backend.mem_pool_host is host
         assert backend.geometry.order == "token_major"
-        assert backend.fingerprint("token_major").model == "tiny-sglang-test"
+        assert backend.fingerprint("token_major").model == str(tiny_model)
     finally:
         backend.close()
 

@@ -134,12 +134,6 @@ def test_bad_extra_config_is_refused_naming_the_key(
     assert f"{key!r}" in str(err.value)
 
 
-def test_model_name_is_required_when_sglang_gives_none(host_pool: HostFactory) -> None:
-    config = storage_config(extra_config("nopecache://127.0.0.1:1"), model_name=None)
-    with pytest.raises(SGLangConfigError, match="'model'"):
-        StorageBackendFactory.create_backend("dynamic", config, host_pool("page_first"))
-
-
 def test_vllm_connector_blocks_and_sglang_pages_never_meet(
     cache_server: CacheServerProc, host_pool: HostFactory, backends: BackendFactory
 ) -> None:
