@@ -7,8 +7,9 @@ can take, which the server's minimum-rate cuts must let through under the hostil
     slow_put_rate      a tenth of it, never below the server's ``min_stream_rate`` default
                        (a client at that floor is still honest by the server's own rule)
     honest_slow_put    in the hostile phase: one gRPC Put of the block, its frames sent no
-                       faster than that rate, then a Get that must return it bit for bit;
-                       True when both hold (one try: no retry hides a cut)
+                       faster than that rate (one try: no retry hides a cut), then a Get
+                       that must return it bit for bit (again while the server answers
+                       "retry later", counted in the note); True when both hold
 
 The client is the good tenant from 127.0.0.1 (an honest source, through the proxy).
 """
@@ -30,6 +31,10 @@ SLOW_PUT_BYTES = 8 * MiB
 SLOW_FRAME = 128 * 1024  # the reader's chunks: the throttle is smooth at this grain
 RATE_REPS = 3
 SLOWDOWN = 10
+# The read-back is tried again on these (the server's "retry later"), for this long: the
+# hostile mix can keep the in-flight budget full for longer than a Get waits for it.
+RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+READ_BACK_S = 60.0
 # The Put's own deadline beyond its paced duration: a hang guard for a loaded machine.
 SLACK_S = 120.0
 
@@ -74,25 +79,56 @@ async def _timed_put(stub: cache_pb2_grpc.KVCacheAsyncStub, k: bytes, blob: byte
     return len(blob) / (time.perf_counter() - started)
 
 
+async def _read_back(stub: cache_pb2_grpc.KVCacheAsyncStub, k: bytes) -> bytes:
+    """The stored block of ``k`` (empty when missing)."""
+    parts: list[bytes] = []
+    async for frame in stub.Get(pb.GetRequest(keys=k), timeout=SLACK_S):
+        if frame.tier or parts:
+            parts.append(frame.data)
+    return b"".join(parts)
+
+
 async def honest_slow_put(
     stub: cache_pb2_grpc.KVCacheAsyncStub, k: bytes, blob: bytes, rate: float
 ) -> tuple[bool, str]:
-    """Put ``blob`` at ``rate`` bytes/s, then read it back; (ok, what happened)."""
+    """Put ``blob`` at ``rate`` bytes/s (one try), then read it back (again while the
+    server answers "retry later": ``RETRYABLE``, up to ``READ_BACK_S``); (ok, what
+    happened)."""
     started = time.monotonic()
     try:
-        if not await _put(stub, k, blob, rate):
-            return False, "honest slow put: not stored"
-        took = time.monotonic() - started
-        parts: list[bytes] = []
-        async for frame in stub.Get(pb.GetRequest(keys=k), timeout=SLACK_S):
-            if frame.tier or parts:
-                parts.append(frame.data)
+        stored = await _put(stub, k, blob, rate)
     except grpc.aio.AioRpcError as e:
-        return False, f"honest slow put: {e.code().name} {e.details()}"
-    if b"".join(parts) != blob:
-        got = sum(map(len, parts))
-        return False, f"honest slow put: read back {got} bytes, not the block's {len(blob)}"
-    return True, (
+        return False, f"honest slow put: Put failed after {_since(started)}: {_why(e)}"
+    if not stored:
+        return False, "honest slow put: Put answered, block not stored"
+    took = time.monotonic() - started
+    refused: list[str] = []
+    give_up = time.monotonic() + READ_BACK_S
+    while True:
+        try:
+            got = await _read_back(stub, k)
+            break
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in RETRYABLE or time.monotonic() > give_up:
+                return False, (
+                    f"honest slow put: stored in {took:.1f} s; Get failed after "
+                    f"{_since(started)} ({len(refused)} refused before): {_why(e)}"
+                )
+            refused.append(e.code().name)
+            await asyncio.sleep(0.5)
+    head = (
         f"honest slow put: {len(blob) // MiB} MiB at {rate / MiB:.2f} MiB/s stored in "
-        f"{took:.1f} s and read back exact"
+        f"{took:.1f} s; read back after {len(refused)} refused Gets "
+        f"({', '.join(sorted(set(refused))) or 'none'})"
     )
+    if got != blob:
+        return False, f"{head}: {len(got)} bytes, not the block's {len(blob)} exact"
+    return True, f"{head}: exact"
+
+
+def _since(started: float) -> str:
+    return f"{time.monotonic() - started:.1f} s"
+
+
+def _why(e: grpc.aio.AioRpcError) -> str:
+    return f"{e.code().name} {e.details()} ({e.debug_error_string()})"

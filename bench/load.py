@@ -50,8 +50,9 @@ server's health listener every 0.25 s, one Check, 3 s timeout) answered SERVING
 8 MiB block is measured unloaded before the load (the best of 3 Puts through the proxy);
 a quarter into the hostile phase an honest client (the good tenant, from 127.0.0.1)
 Puts another 8 MiB block from a reader paced at a tenth of that rate (never below the
-server's default ``min_stream_rate``) and reads it back: 1 when it is stored and comes
-back bit for bit, else 0 (one try).
+server's default ``min_stream_rate``) and reads it back: 1 when it is stored (one try)
+and comes back bit for bit (the Get again while the server answers "retry later": the
+mix can keep the in-flight budget full), else 0.
 
 Last line::
 
