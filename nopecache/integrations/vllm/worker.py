@@ -69,6 +69,7 @@ from nopecache.integrations.vllm.metadata import (
     StepReport,
     slots_for,
 )
+from nopecache.integrations.vllm.pd import StoreAcks
 from nopecache.integrations.vllm.quality import BlendCheck, QualityWatch
 from nopecache.recompute.gate import GateVerdict
 from nopecache.recompute.selective import run_selective
@@ -148,6 +149,7 @@ class WorkerSide:
         self.gate: GateVerdict | None = None  # the correctness gate's verdict (gate.py)
         self.quality: QualityWatch | None = None  # sampled blend checks (quality.py)
         self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
+        self.acks = StoreAcks()  # a producer's stores until acknowledged (pd/acks.py)
 
     # -- set-up -----------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
@@ -422,6 +424,9 @@ class WorkerSide:
         if self.groups and self.layout is not None:
             for spec in plan.saves:
                 self._save_one(spec)
+        for spec in plan.saves:
+            if spec.ack:  # vLLM holds its blocks until reported: report even if not stored
+                self.acks.ensure(spec.req_id)
         self._end_step(plan)
 
     def _save_one(self, spec: SaveSpec) -> None:
@@ -443,6 +448,20 @@ class WorkerSide:
                 heads = slice(group.local_start, group.local_start + group.num_heads)
                 gk, gv = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
             try:
+                if spec.ack:  # a producer's: the blocks are held until it is acknowledged
+                    self.acks.add(
+                        spec.req_id,
+                        client.submit_store(
+                            spec.tokens,
+                            (gk, gv),
+                            0,
+                            form="rope",
+                            segments=self.config.segments(spec.tokens),
+                            namespace=self.config.namespace,
+                            identity=spec.identity,
+                        ),
+                    )
+                    continue
                 report = client.store(
                     spec.tokens,
                     (gk, gv),
