@@ -56,6 +56,8 @@ def _upstream(name: str, seen: list[tuple[str, dict[str, Any]]]) -> web.Applicat
 def test_prefill_body_is_one_token_not_streamed() -> None:
     body = {"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"a": 1}}
     assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "stream": False}
+    sampled = prefill_body({"prompt": "x", "n": 3, "min_tokens": 5})
+    assert sampled == {"prompt": "x", "n": 1, "max_tokens": 1, "stream": False}
     chat = prefill_body({"messages": [], "max_completion_tokens": 9})
     assert chat == {"messages": [], "max_completion_tokens": 1, "max_tokens": 1, "stream": False}
 

@@ -58,9 +58,11 @@ class ProxyConfig:
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill engine's version of a request: one token, not streamed."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    """The prefill engine's version of a request: one token of one sequence, not streamed."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
     out["max_tokens"] = 1
+    if "n" in out:
+        out["n"] = 1  # one sequence fills the cache; the decode engine samples all n
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
