@@ -1,12 +1,13 @@
 """The P/D proxy's routing against small aiohttp upstreams on loopback.
 
-What ``vllm serve`` engines cannot show cheaply (engine/test_pd_engine.py runs the proxy
+What ``vllm serve`` engines cannot show cheaply (test_pd_engine.py runs the proxy
 in front of real ones): round robin over several prefill and decode engines, the prefill
 request rewritten to one token without streaming, the hand-off carried to the decode
 request, a streamed answer passed through chunk by chunk, an upstream error answered with
 its status and body, a prefill engine that refuses connections skipped for the next one,
 and 502 when none answers. The upstreams answer what they were sent, so every assertion
-is on what the proxy really sent. Runs where aiohttp is (the vLLM environment).
+is on what the proxy really sent. In the vLLM suite: the proxy runs where vLLM (and so
+aiohttp) is.
 """
 
 from __future__ import annotations
