@@ -80,13 +80,13 @@ class Size:
     """The trace's size."""
 
     requests: int
-    facts: int  # prompt length: ~12 tokens per fact
+    facts: int  # prompt length: ~10 tokens per fact (a quick prompt spans 2 blocks of 128)
     answer: int
     in_flight: int
 
 
-QUICK = Size(requests=4, facts=10, answer=8, in_flight=2)
-FULL = Size(requests=32, facts=80, answer=64, in_flight=4)
+QUICK = Size(requests=4, facts=30, answer=8, in_flight=2)
+FULL = Size(requests=24, facts=250, answer=64, in_flight=4)
 
 
 def prompt(i: int, facts: int) -> str:

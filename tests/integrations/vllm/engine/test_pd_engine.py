@@ -52,8 +52,8 @@ _HTTP_S = 600  # only a hang guard: a request answers in seconds on an idle mach
 
 
 def _prompt(i: int) -> str:
-    """A distinct prompt of ~150 tokens (several of vLLM's 16-token blocks)."""
-    facts = ", ".join(f"item {i}-{j} weighs {(i * 7 + j * 13) % 97} grams" for j in range(12))
+    """A distinct prompt of ~500 tokens (3 of the CPU build's 128-token blocks)."""
+    facts = ", ".join(f"item {i}-{j} weighs {(i * 7 + j * 13) % 97} grams" for j in range(40))
     return f"Inventory report number {i}. {facts}. Question: which item is the heaviest? Answer:"
 
 
@@ -160,12 +160,12 @@ def test_pd_answers_are_the_single_engines_and_the_decode_engine_loads(pd: PD) -
         answers = {case: future.result() for case, future in futures.items()}
     for (i, chat, stream), answer in answers.items():
         assert answer == reference[(i, chat)], (i, chat, stream)
-    # Every request's prompt came from the prefill engine's blocks: at least 8 blocks of
-    # 16 tokens each (the prompts are ~150 tokens), nothing waited past its deadline.
+    # Every request's prompt came from the prefill engine's blocks (~500 tokens each, all
+    # but the last partial block: >= 256 whatever the block size), none past its deadline.
     assert _counter(pd.decode, "pd_handoffs") == len(CASES)
     assert _counter(pd.decode, "pd_deadline_misses") == 0
     assert _counter(pd.decode, "pd_bad_handoffs") == 0
-    assert _counter(pd.decode, "loaded_exact_tokens") >= len(CASES) * 8 * 16
+    assert _counter(pd.decode, "loaded_exact_tokens") >= len(CASES) * 256
     assert _counter(pd.prefill, "loaded_exact_tokens") == 0  # a producer never loads
     assert _counter(pd.decode, "saved_tokens") == 0  # a consumer never stores
 
@@ -185,17 +185,23 @@ def test_a_store_that_never_landed_is_recomputed_with_the_same_answer(pd: PD) ->
     reference = _ask(pd.decode.url, i, False, False)
     path, body = _request(i, False, False)
     status, first = _post(pd.prefill.url, path, {**body, "max_tokens": 1})
-    assert status == 200 and first["kv_transfer_params"]["nopecache"]["blocks"] >= 8
+    handoff = first["kv_transfer_params"]["nopecache"]
+    assert status == 200 and handoff["blocks"] * handoff["block_size"] >= 256
     wait_stored(pd.server.address)  # the producer's store landed ...
     pd.server.kill()
     pd.server.start()  # ... and is lost: the restarted server holds nothing
     misses = _counter(pd.decode, "pd_deadline_misses")
+    missing = _counter(pd.decode, "pd_missing_tokens")
     status, answer = _post(
         pd.decode.url, path, {**body, "kv_transfer_params": first["kv_transfer_params"]}
     )
     assert _text(path, status, answer, False) == reference
     assert _counter(pd.decode, "pd_deadline_misses") == misses + 1
-    assert _counter(pd.decode, "pd_missing_tokens") > 0
+    # Nothing of it was there: every token it named was recomputed.
+    assert (
+        _counter(pd.decode, "pd_missing_tokens")
+        == missing + handoff["blocks"] * handoff["block_size"]
+    )
 
 
 def test_a_prefill_engine_killed_mid_request_costs_an_error_not_the_decode_engine(
