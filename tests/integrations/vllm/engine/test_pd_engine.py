@@ -46,7 +46,12 @@ from tests.support.server_procs import CacheServerProc, wait_stored  # noqa: E40
 
 pytestmark = pytest.mark.slow
 
-DEADLINE_MS = 3000  # the decode engine's handoff_deadline_ms (the lost-store test waits it)
+# The decode engine's handoff_deadline_ms: a loopback store lands in well under a second on
+# an idle machine; 20 s covers a loaded one (the lost-store test waits it out once).
+DEADLINE_MS = 20_000
+# fp32 KV is ~46 KiB a token here, stored twice (prefix and content keys): ~50 MB a
+# prompt. The default 64 MiB tier would evict one request's blocks for the next's.
+TIER = "cpu://?capacity=768MiB&pinned=no"
 ANSWER_TOKENS = 12
 _HTTP_S = 600  # only a hang guard: a request answers in seconds on an idle machine
 
@@ -69,7 +74,7 @@ class PD:
 def pd(model_dir: str) -> Iterator[PD]:
     work = Path(tempfile.mkdtemp(prefix="nopecache-pd-"))
     with bench_processes(engines=2) as started:
-        server = started.server(CacheServerProc(work / "server", free_ports(1)[0]))
+        server = started.server(CacheServerProc(work / "server", free_ports(1)[0], tiers=(TIER,)))
         server.start()
         prefill = ServeProc(
             "prefill",
