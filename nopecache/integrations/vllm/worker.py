@@ -310,6 +310,7 @@ class WorkerSide:
             return
         mask = result.mask[spec.start : spec.end]
         placed = int(mask.sum())
+        loaded_end = spec.end
         if placed != len(claimed):
             missing = [spec.start + int(i) for i in torch.nonzero(~mask).flatten()]
             log.warning(
@@ -319,8 +320,11 @@ class WorkerSide:
                 spec.req_id,
             )
             self._fail(spec, range(min(missing), spec.end))
+            # vLLM recomputes from the failed position's block on: only before it loaded.
+            loaded_end = min(missing) - min(missing) % self.model.block_size
         with self._lock:
-            self._report.loaded_exact_tokens += spec.exact_tokens
+            exact_end = min(spec.plan.prefix_end, loaded_end)
+            self._report.loaded_exact_tokens += max(0, exact_end - spec.start)
             self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
             self._report.loaded_bytes += result.nbytes
 

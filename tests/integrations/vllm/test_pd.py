@@ -237,3 +237,29 @@ def test_a_prompt_of_one_block_stores_and_holds_but_names_nothing(server: CacheS
         _until_acked(producer, "p1")
     finally:
         producer.close()
+
+
+def test_a_claim_whose_blocks_vanish_before_the_load_counts_nothing_loaded(
+    server: CacheServerProc,
+) -> None:
+    # Regression: the worker counted a failed load's claimed tokens as loaded, so a
+    # decode engine's loaded share (bench/vllm_pd.py) counted what vLLM recomputed.
+    producer = _Engine(server, 1, kv_role="kv_producer")
+    consumer = _Engine(server, 2, kv_role="kv_consumer")
+    try:
+        prompt = [p + 6000 for p in PROMPT]
+        producer.step(_request("p1", prompt), [3, 0, 2, 1], 0)
+        _finish(producer, "p1")
+        _until_acked(producer, "p1")
+        out = consumer.plan_step(_request("d1", prompt), [7, 8, 9, 10], 0)
+        assert out.claimed == 12
+        server.kill()
+        server.start()  # the blocks are gone between the claim and the load
+        consumer.load(out.plan)
+        assert consumer.worker.take_errors() == {7, 8, 9}
+        report = consumer.worker.take_report()
+        assert report is not None and report.load_errors == 3
+        assert report.loaded_exact_tokens == 0
+    finally:
+        producer.close()
+        consumer.close()
