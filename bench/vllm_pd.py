@@ -13,7 +13,12 @@ server (CPU tier):
 
 The trace is long prompts with long answers (distinct prompts: nothing is shared between
 requests, so what the decode engine loads is the hand-off), ``--in-flight`` at once,
-streamed completions, greedy. Before the pd replay the decode engine answers every prompt
+streamed completions over token ids, greedy. Each prompt is ``blocks * 128 + 1`` tokens
+(128: the CPU build's KV block size), so the decode engine can claim every token but the
+one it must compute to sample: the share measures the hand-off, not block rounding (a
+prompt of ``n`` tokens leaves its last partial block to the decode engine: at most 127
+tokens, under 5% from 2,560 tokens on). The server's CPU tier holds every prompt's fp32
+blocks (prefix and content keys), so nothing is evicted between store and load. Before the pd replay the decode engine answers every prompt
 as a plain request (nothing stored yet: it computes the whole prompt, a single engine's
 answer); the pd answers are compared with those (``pd_mismatches``).
 
@@ -33,12 +38,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,19 +87,24 @@ class Size:
     """The trace's size."""
 
     requests: int
-    facts: int  # prompt length: ~10 tokens per fact (a quick prompt spans 2 blocks of 128)
+    blocks: int  # prompt length: blocks * BLOCK + 1 tokens
     answer: int
     in_flight: int
+    tier: str  # the nopecache server's CPU tier: it holds every prompt's blocks
 
 
-QUICK = Size(requests=4, facts=30, answer=8, in_flight=2)
-FULL = Size(requests=24, facts=250, answer=64, in_flight=4)
+# fp32 KV is ~46 KiB a token for SmolLM2-135M, stored twice (prefix and content keys).
+QUICK = Size(requests=4, blocks=3, answer=8, in_flight=2, tier="cpu://?capacity=512MiB&pinned=no")
+FULL = Size(requests=16, blocks=8, answer=64, in_flight=4, tier="cpu://?capacity=2GiB&pinned=no")
+BLOCK = 128  # vLLM's KV block size on the CPU build
 
 
-def prompt(i: int, facts: int) -> str:
-    """A distinct long prompt (no block shared with another request's)."""
-    body = ", ".join(f"crate {i}-{j} holds {(i * 31 + j * 17) % 89} bolts" for j in range(facts))
-    return f"Warehouse log {i}. {body}. Which crate holds the most bolts? Answer:"
+def prompt(i: int, tokens: int, encode: Callable[[str], list[int]]) -> list[int]:
+    """A distinct prompt of exactly ``tokens`` token ids (no block shared with another
+    request's): a warehouse log cut to length, ending on its question."""
+    question = encode(" Which crate holds the most bolts? Answer:")
+    facts = ", ".join(f"crate {i}-{j} holds {(i * 31 + j * 17) % 89} bolts" for j in range(tokens))
+    return encode(f"Warehouse log {i}. {facts}")[: tokens - len(question)] + question
 
 
 @dataclass(slots=True)
@@ -106,7 +118,7 @@ class Outcome:
     error: str | None = None
 
 
-async def _one(client: httpx.AsyncClient, url: str, text: str, answer: int) -> Outcome:
+async def _one(client: httpx.AsyncClient, url: str, text: list[int], answer: int) -> Outcome:
     out = Outcome()
     body = {
         "model": SERVED_NAME,
@@ -142,7 +154,9 @@ async def _one(client: httpx.AsyncClient, url: str, text: str, answer: int) -> O
     return out
 
 
-async def _replay(urls: list[str], prompts: list[str], size: Size) -> tuple[list[Outcome], float]:
+async def _replay(
+    urls: list[str], prompts: list[list[int]], size: Size
+) -> tuple[list[Outcome], float]:
     outcomes: list[Outcome | None] = [None] * len(prompts)
     queue = list(enumerate(prompts))
 
@@ -158,7 +172,7 @@ async def _replay(urls: list[str], prompts: list[str], size: Size) -> tuple[list
     return [o for o in outcomes if o is not None], wall
 
 
-def replay(urls: list[str], prompts: list[str], size: Size) -> tuple[list[Outcome], float]:
+def replay(urls: list[str], prompts: list[list[int]], size: Size) -> tuple[list[Outcome], float]:
     """Send every prompt (request ``i`` to ``urls[i % len]``), ``in_flight`` at once."""
     return asyncio.run(_replay(urls, prompts, size))
 
@@ -203,20 +217,20 @@ def _engine(
     )
 
 
-def _server(started: Started, work: Path) -> CacheServerProc:
+def _server(started: Started, work: Path, tier: str) -> CacheServerProc:
     server = started.server(
-        CacheServerProc(work / f"server-{len(started.servers)}", free_ports(1)[0])
+        CacheServerProc(work / f"server-{len(started.servers)}", free_ports(1)[0], tiers=(tier,))
     )
     server.start()
     return server
 
 
 def run_pd(
-    model: str, work: Path, prompts: list[str], size: Size
+    model: str, work: Path, prompts: list[list[int]], size: Size
 ) -> tuple[dict[str, float], int, float, int]:
     """The pd setup: (summary, mismatches, loaded share, failed requests)."""
     with bench_processes(engines=2) as started:
-        server = _server(started, work)
+        server = _server(started, work, size.tier)
         prefill = _engine(
             "prefill", model, core_for(0), work, pd_transfer("kv_producer", server.address)
         )
@@ -252,11 +266,11 @@ def run_pd(
 
 
 def run_both(
-    model: str, work: Path, prompts: list[str], size: Size
+    model: str, work: Path, prompts: list[list[int]], size: Size
 ) -> tuple[dict[str, float], int]:
     """The kv_both pair: (summary, failed requests)."""
     with bench_processes(engines=2) as started:
-        server = _server(started, work)
+        server = _server(started, work, size.tier)
         engines = [
             _engine(f"both{i}", model, core_for(i), work, pd_transfer("kv_both", server.address))
             for i in range(2)
@@ -282,8 +296,15 @@ def main() -> int:
         return 2
     size = QUICK if args.quick else FULL
     if args.in_flight is not None:
-        size = Size(size.requests, size.facts, size.answer, args.in_flight)
-    prompts = [prompt(i, size.facts) for i in range(size.requests)]
+        size = dataclasses.replace(size, in_flight=args.in_flight)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    prompts = [prompt(i, size.blocks * BLOCK + 1, encode) for i in range(size.requests)]
     work = Path(tempfile.mkdtemp(prefix="nopecache-vllm-pd-"))
     print(f"vllm_pd: {size}, logs in {work}", flush=True)
     pd, mismatches, share, failed = run_pd(model, work, prompts, size)
