@@ -20,7 +20,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_BIN := $(SGLANG_VENV)/bin
 SGLANG_STAMP := $(SGLANG_VENV)/.nopecache-installed
 
-.PHONY: all venv vllm dynamo sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-sglang bench-quick proto redis-server lock clean gpu-check image test-image
+.PHONY: all venv vllm dynamo sglang test-sglang demo demo-hf test test-vllm lint typecheck bench bench-vllm bench-sglang bench-quick proto redis-server haproxy lock clean gpu-check image test-image
 
 all: test
 
@@ -90,6 +90,12 @@ redis-server:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 	  { echo "installing redis-server with apt"; apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
 
+# The front proxy (deploy/haproxy/haproxy.cfg) that tests/deploy/test_haproxy.py and
+# bench/load.py run in front of the server: Debian's package (HAProxy 2.6 on bookworm).
+haproxy:
+	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || \
+	  { echo "installing haproxy with apt"; apt-get update -qq && apt-get install -y -qq haproxy >/dev/null; }
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -98,7 +104,7 @@ typecheck: venv
 	$(BIN)/mypy -p nopecache -p tests
 	$(BIN)/mypy examples deploy/healthcheck.py deploy/image/check_image.py $(wildcard bench/*.py)
 
-test: venv redis-server lint typecheck
+test: venv redis-server haproxy lint typecheck
 	$(BIN)/python -m pytest
 	$(MAKE) test-vllm
 	$(MAKE) test-sglang
@@ -134,7 +140,7 @@ demo-hf: venv
 
 # Every bench runs even when one before it fails (a finding, such as the fuzzer's, must not
 # hide the benches after it); the target fails at the end, naming each bench that did.
-bench: venv redis-server
+bench: venv redis-server haproxy
 	@failed=""; for b in bench/[!_]*.py; do \
 	  case $$b in bench/vllm_*|bench/sglang_*) continue;; esac; echo "== $$b"; \
 	  $(BIN)/python $$b || failed="$$failed $$b"; done; \
@@ -158,7 +164,7 @@ bench-sglang: sglang
 # order of `make bench`: a smoke run of seconds each (the vLLM ones start their engines).
 # `make test` runs the same through tests/bench/test_quick.py and, in the vLLM suite,
 # tests/integrations/vllm/engine/test_bench_quick.py.
-bench-quick: venv redis-server vllm sglang
+bench-quick: venv redis-server haproxy vllm sglang
 	@set -e; for b in bench/[!_]*.py; do \
 	  case $$b in bench/vllm_*|bench/sglang_*) continue;; esac; echo "== $$b --quick"; $(BIN)/python $$b --quick; done
 	@set -e; for b in bench/sglang_*.py; do \

@@ -16,7 +16,8 @@ clients that try to take a shared resource from everyone else (loopback only).
     new_clients      tenant good: a client on a new connection every 0.25 s, one Lookup
                      each; ``new_client_ok_share`` is the share that succeed
 
-Every loop ends at the phase's end time.
+Every loop ends at the phase's end time. Every client dials the front proxy, each attacker
+from addresses of its own (``_proxied.Route``, ``_proxied.SOURCES``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,6 +37,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.bulk import ENTRY, MAGIC, encode_get, hello
+
+if TYPE_CHECKING:
+    from _proxied import Route
 
 MiB = 1024 * 1024
 LORIS = "loris-token-4c8a2e6f0b"
@@ -114,24 +119,27 @@ async def watch_flood(address: str, n: int, end: float, report: FloodReport) -> 
             call.cancel()
 
 
-async def idle_flood(host: str, port: int, n: int, end: float, report: FloodReport) -> None:
+async def idle_flood(route: Route, n: int, end: float, report: FloodReport) -> None:
     """Raw HTTP/2 connections past the handshake that never send a call."""
 
     # The other attackers connect first (the flood would otherwise keep them out too, and
     # their own limits would go untested); clients connecting from now on meet it.
     await asyncio.sleep(FLOOD_AFTER_S)
 
-    async def one() -> None:
+    async def one(i: int) -> None:
         while time.monotonic() < end:
+            opened = time.monotonic()
             try:
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.open_connection(
+                    route.proxy_host, route.grpc_port, local_addr=(route.source("idle_flood", i), 0)
+                )
                 writer.write(_PREFACE + _SETTINGS)
                 await writer.drain()
                 await asyncio.wait_for(reader.read(65536), 5)
                 writer.write(_SETTINGS_ACK)
                 await writer.drain()
             except (OSError, TimeoutError):
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(1.0)
                 continue
             report.idle_held += 1
             try:
@@ -143,8 +151,10 @@ async def idle_flood(host: str, port: int, n: int, end: float, report: FloodRepo
             finally:
                 report.idle_held -= 1
                 writer.close()
+            if time.monotonic() - opened < 1.0:  # refused (by the proxy): not at once again
+                await asyncio.sleep(1.0)
 
-    await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+    await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
 
 
 async def _stalled_puts(
@@ -214,17 +224,19 @@ async def _bulk_tickets(address: str, token: str, n: int) -> list[tuple[int, byt
     return [(r.port, r.ticket) for r in replies]
 
 
-async def bulk_squat(address: str, n: int, end: float, report: FloodReport) -> None:
+async def bulk_squat(route: Route, n: int, end: float, report: FloodReport) -> None:
     """Sockets to the bulk port that never say HELLO, re-opened as they are closed."""
-    host = address.rpartition(":")[0]
-    ((port, _),) = await _bulk_tickets(address, SQUAT, 1)
+    ((port, _),) = await _bulk_tickets(route.grpc("bulk_squat"), SQUAT, 1)
 
     async def one() -> None:
         while time.monotonic() < end:
+            opened = time.monotonic()
             try:
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.open_connection(
+                    route.proxy_host, port, local_addr=(route.source("bulk_squat"), 0)
+                )
             except OSError:
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(1.0)
                 continue
             try:
                 await asyncio.wait_for(reader.read(1), max(0.01, end - time.monotonic()))
@@ -233,23 +245,34 @@ async def bulk_squat(address: str, n: int, end: float, report: FloodReport) -> N
                 pass
             finally:
                 writer.close()
+            if time.monotonic() - opened < 1.0:  # refused (by the proxy): not at once again
+                await asyncio.sleep(1.0)
 
     await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
 
 
-async def idle_bulk(address: str, n: int, end: float, report: FloodReport) -> None:
+async def idle_bulk(route: Route, n: int, end: float, report: FloodReport) -> None:
     """Bulk connections that GET one 16 MiB block each, then idle until the end."""
     from _hostile import _one, block, channel, frames_of, key
 
     k = key("idlebulk", 0)
+    address = route.grpc("idle_bulk")
     async with channel(address, SQUAT) as ch:
-        await cache_pb2_grpc.KVCacheStub(ch).Put(_one(frames_of(k, block(k, 16 * MiB))), timeout=30)
+        # Again until stored: the budget the squatters fill can refuse (or cut) the Put.
+        while time.monotonic() < end:
+            try:
+                await cache_pb2_grpc.KVCacheStub(ch).Put(
+                    _one(frames_of(k, block(k, 16 * MiB))), timeout=30
+                )
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
     # Tickets first (valid 30 s), before the idle flood takes the gRPC port.
     tickets = await _bulk_tickets(address, SQUAT, n)
-    host = address.rpartition(":")[0]
+    source = (route.source("idle_bulk"), 0)
 
     def fetch(port: int, ticket: bytes) -> socket.socket:
-        sock = socket.create_connection((host, port), timeout=30)
+        sock = socket.create_connection((route.proxy_host, port), 30, source)
         sock.sendall(hello(ticket))
         if sock.recv(len(MAGIC), socket.MSG_WAITALL) != MAGIC:
             return sock
@@ -290,18 +313,21 @@ async def new_clients(address: str, token: str, end: float, report: FloodReport)
 
 
 def attackers(
-    address: str, end: float, report: FloodReport, sizes: Sizes = FULL
+    route: Route, end: float, report: FloodReport, sizes: Sizes = FULL
 ) -> list[tuple[str, Coroutine[None, None, None]]]:
-    """(name, coroutine) of every attacker of this module and the new-client probe."""
+    """(name, coroutine) of every attacker of this module and the new-client probe (an
+    honest client: from 127.0.0.1, straight to the proxy)."""
     from _hostile import GOOD
 
-    host, _, port = address.rpartition(":")
     return [
-        ("watch_flood", watch_flood(address, sizes.watches, end, report)),
-        ("idle_flood", idle_flood(host, int(port), sizes.idle_connections, end, report)),
-        ("slow_loris", slow_loris(address, sizes.loris_streams, end, report)),
-        ("budget_squat", budget_squat(address, sizes.squat_streams, end, report)),
-        ("bulk_squat", bulk_squat(address, sizes.bulk_squatters, end, report)),
-        ("idle_bulk", idle_bulk(address, sizes.idle_bulk, end, report)),
-        ("new_clients", new_clients(address, GOOD, end, report)),
+        ("watch_flood", watch_flood(route.grpc("watch_flood"), sizes.watches, end, report)),
+        ("idle_flood", idle_flood(route, sizes.idle_connections, end, report)),
+        ("slow_loris", slow_loris(route.grpc("slow_loris"), sizes.loris_streams, end, report)),
+        (
+            "budget_squat",
+            budget_squat(route.grpc("budget_squat"), sizes.squat_streams, end, report),
+        ),
+        ("bulk_squat", bulk_squat(route, sizes.bulk_squatters, end, report)),
+        ("idle_bulk", idle_bulk(route, sizes.idle_bulk, end, report)),
+        ("new_clients", new_clients(route.grpc("new_clients"), GOOD, end, report)),
     ]

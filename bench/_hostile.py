@@ -13,8 +13,11 @@ quota (its keys a Lookup finds, each counted in whole tier pages, sampled all al
 largest sample over the quota is ``quota_overrun``), and how the attack went (bombs
 refused, streams cut). The attackers of issue 25 (floods of calls, connections and bulk
 sockets, slow-loris Puts, budget squatters, idle bulk buffers, and clients connecting
-during all that) are in _attackers.py and run in the same phase. Every loop is bounded
-by the phase's end time.
+during all that) are in _attackers.py, those of issue 36 (drip squatters, a health-watch
+flood, a keep-alive connection hoarder) and the kubelet-like health prober in
+_proxied.py; all run in the same phase, every client through the front proxy, each
+attacker from addresses of its own (_proxied.py). Every loop is bounded by the phase's
+end time.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from typing import Any
 import grpc
 import xxhash
 from _attackers import FULL, QUICK, FloodReport, attackers, tenants_toml
+from _proxied import FULL as PROXIED_FULL
+from _proxied import QUICK as PROXIED_QUICK
+from _proxied import ProxyReport, Route, proxied_attackers
+from _proxied import tenants_toml as proxied_tenants
 
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
@@ -55,7 +62,9 @@ def tokens_toml() -> str:
         f'[tenants.good]\ntokens = ["{GOOD}"]\n'
         f'[tenants.victim]\ntokens = ["{VICTIM}"]\n'
         f'[tenants.evil]\ntokens = ["{EVIL}"]\nquota = "{EVIL_QUOTA}"\n'
-        f'[tenants.gamer]\ntokens = ["{GAMER}"]\nquota = "{GAMER_QUOTA}"\n' + tenants_toml()
+        f'[tenants.gamer]\ntokens = ["{GAMER}"]\nquota = "{GAMER_QUOTA}"\n'
+        + tenants_toml()
+        + proxied_tenants()
     )
 
 
@@ -144,6 +153,7 @@ class AttackReport:
     victim_ms: list[float] = field(default_factory=list)
     victim_failed: int = 0
     flood: FloodReport = field(default_factory=FloodReport)
+    proxy: ProxyReport = field(default_factory=ProxyReport)
     gamer_peak_bytes: int = 0
     bombs_refused: int = 0
     bombs_stored: int = 0
@@ -258,6 +268,8 @@ async def slow_put(address: str, n: int, end: float, report: AttackReport) -> No
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                 ):
                     report.puts_cut += 1
+                else:  # refused by the proxy, say: not again at once
+                    await asyncio.sleep(0.1)
 
 
 async def slow_get(address: str, n: int, end: float, report: AttackReport) -> None:
@@ -265,7 +277,13 @@ async def slow_get(address: str, n: int, end: float, report: AttackReport) -> No
     k = key("slowget", n % 4)
     async with channel(address, EVIL) as ch:
         stub = cache_pb2_grpc.KVCacheStub(ch)
-        await stub.Put(_one(frames_of(k, block(k, 2 * MiB))), timeout=30)
+        # Again until stored: on a loaded machine the budget the squatters fill can cut it.
+        while time.monotonic() < end - 0.5:
+            try:
+                await stub.Put(_one(frames_of(k, block(k, 2 * MiB))), timeout=30)
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
         while time.monotonic() < end - 0.5:
             call = stub.Get(pb.GetRequest(keys=k * 512), timeout=max(0.1, end - time.monotonic()))
             try:
@@ -286,7 +304,13 @@ async def quota_game(address: str, end: float, report: AttackReport) -> None:
         held: dict[bytes, int] = {}  # key -> size of the block last stored
 
         async def put(k: bytes, blob: bytes) -> None:
-            reply = await stub.Put(_one(frames_of(k, blob)), timeout=30)
+            try:
+                reply = await stub.Put(_one(frames_of(k, blob)), timeout=30)
+            except grpc.aio.AioRpcError:
+                # The in-flight budget the squatters fill can refuse a Put: a gamer that
+                # stopped here would leave the quota unmeasured for the rest of the phase.
+                await asyncio.sleep(0.1)
+                return
             if reply.results[0].outcome == pb.PUT_OUTCOME_STORED:
                 held[k] = len(blob)
 
@@ -315,26 +339,34 @@ async def quota_game(address: str, end: float, report: AttackReport) -> None:
 BOMB = (key("bomb", 0), block(key("bomb", 0), 128 * MiB, compression="lz4", fill=b"\0"))
 
 
-async def attack(address: str, seconds: float, *, quick: bool = False) -> AttackReport:
-    """Run every hostile client, the filler and the victim for ``seconds`` (``quick``:
-    a handful of each flooding attacker)."""
+async def attack(
+    route: Route, seconds: float, *, idle_s: float, quick: bool = False
+) -> AttackReport:
+    """Run every hostile client, the filler and the victim for ``seconds`` through the
+    proxy of ``route`` (``idle_s``: the server's connection idle timeout, which the hoarder
+    stays under; ``quick``: a handful of each flooding attacker)."""
     report = AttackReport()
     end = time.monotonic() + seconds
 
     async def victim_task() -> None:
-        report.victim_ms, report.victim_failed = await victim_process(address, seconds)
+        report.victim_ms, report.victim_failed = await victim_process(route.grpc("victim"), seconds)
 
     tasks = [
         victim_task(),
-        filler(address, end, report),
-        bombs(address, end, report),
-        quota_game(address, end, report),
-        *(slow_put(address, n, end, report) for n in range(SLOW_PUTS)),
-        *(slow_get(address, n, end, report) for n in range(SLOW_GETS)),
+        filler(route.grpc("filler"), end, report),
+        bombs(route.grpc("bombs"), end, report),
+        quota_game(route.grpc("gamer"), end, report),
+        *(slow_put(route.grpc("slow_put"), n, end, report) for n in range(SLOW_PUTS)),
+        *(slow_get(route.grpc("slow_get"), n, end, report) for n in range(SLOW_GETS)),
     ]
     names = ["victim", "filler", "bombs", "quota_game", *["slow_put"] * SLOW_PUTS]
     names += ["slow_get"] * SLOW_GETS
-    for name, work in attackers(address, end, report.flood, QUICK if quick else FULL):
+    for name, work in [
+        *attackers(route, end, report.flood, QUICK if quick else FULL),
+        *proxied_attackers(
+            route, end, idle_s, report.proxy, PROXIED_QUICK if quick else PROXIED_FULL
+        ),
+    ]:
         names.append(name)
         tasks.append(work)
     results = await asyncio.gather(*tasks, return_exceptions=True)

@@ -2,9 +2,11 @@
 process, for a bounded time, measuring throughput, latency, errors and server memory.
 
 Setup (loopback only): the server runs as its own process with a CPU tier of
-``--capacity`` bytes (``pinned=no``), tune_malloc as configured by ``--tune-malloc``.
-64 asyncio client tasks share 8 channels (8 connections) and, until ``--seconds`` pass,
-each loops over one operation at a time:
+``--capacity`` bytes (``pinned=no``), tune_malloc as configured by ``--tune-malloc``,
+behind the front proxy of the deployment (HAProxy with deploy/haproxy/haproxy.cfg,
+tests/support/haproxy_proc.py): every client dials the proxy, the bulk stream included
+(the server announces the proxy's bulk port). 64 asyncio client tasks share 8 channels
+(8 connections) and, until ``--seconds`` pass, each loops over one operation at a time:
 
     40% Put     one block of 32 KiB, 128 KiB or 512 KiB (the key picks the size)
     40% Get     1-4 keys (hits and misses), every returned block compared bit for bit
@@ -37,14 +39,21 @@ pages) over its quota (target <= 1.0). The attackers of issue 25 run in the same
 Puts at 256 streams, budget squatters, bulk squatters, idle bulk connections):
 ``victim_ok_share`` is the share of the victim's Lookups that succeed (target >= 0.99)
 and ``new_client_ok_share`` the share of clients connecting during the attack whose
-Lookup succeeds (target >= 0.99).
+Lookup succeeds (target >= 0.99). The attackers of issue 36 join them (``bench/_proxied.py``:
+drip squatters on gRPC and bulk Puts, a Health.Watch flood from 16 addresses on the
+proxy's health frontend, a keep-alive connection hoarder from 4 addresses), and each
+attacker comes from loopback addresses of its own (127.0.0.2 and up) while the honest
+clients come from 127.0.0.1: the proxy's per-source limits are in the picture.
+``health_ok_share`` is the share of kubelet-like probes (a fresh connection to the
+server's health listener every 0.25 s, one Check, 3 s timeout) answered SERVING
+(target >= 0.99).
 
 Last line::
 
     RESULT ops=... ops_per_s=... p50_ms=... p99_ms=... errors=... rss_mib=...
            capacity_mib=... rss_over_capacity=... hostile_rss_over_budget=...
            victim_p99_ms=... victim_alone_p99_ms=... quota_overrun=...
-           victim_ok_share=... new_client_ok_share=...
+           victim_ok_share=... new_client_ok_share=... health_ok_share=...
 """
 
 from __future__ import annotations
@@ -52,7 +61,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,10 +73,12 @@ import grpc
 import xxhash
 from _hostile import GOOD, attack, tokens_toml, victim_alone
 from _hostile import channel as tenant_channel
+from _proxied import Relays, Route
 
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import StoredForm, build_block
+from tests.support.haproxy_proc import HAProxyProc, ProxyPorts
 from tests.support.ready import wait_serving
 
 # The RESULT line's keys, in order: tests/bench/test_quick.py checks a --quick run
@@ -90,6 +100,7 @@ RESULT_KEYS = (
     "quota_overrun",
     "victim_ok_share",
     "new_client_ok_share",
+    "health_ok_share",
 )
 
 TASKS = 64
@@ -99,11 +110,12 @@ FRAME = 4 * 1024 * 1024 - 4096  # the server's default max_frame_data_bytes
 _NOISE = random.Random(0).randbytes(max(SIZES) + 4096)
 # The server's bounds for the run (the hostile phase tests that they hold).
 INFLIGHT_BYTES = 384 * 1024 * 1024
+IDLE_S = 5  # the server's connection_idle_timeout_s (the hoarder checks within it)
 SERVER_LIMITS = (
     *("--max-request-bytes", "64MiB", "--max-inflight-bytes", str(INFLIGHT_BYTES)),
     *("--max-inflight-bytes-per-client", "128MiB", "--stream-idle-timeout-s", "3"),
     # Short enough that the idle-connection flood meets it within the hostile phase.
-    *("--connection-idle-timeout-s", "5"),
+    *("--connection-idle-timeout-s", str(IDLE_S)),
 )
 
 
@@ -140,12 +152,12 @@ def rss_bytes(pid: int) -> int:
 
 
 class Server:
-    """The server process under test."""
+    """The server process under test, behind the front proxy."""
 
     def __init__(self, workdir: Path, capacity: int, tune: bool) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.ports = ProxyPorts.free()
+        self.port = self.ports.server_grpc
+        self.proxy = HAProxyProc(self.ports, workdir / "haproxy.log")
         self.log = workdir / "server.log"
         tokens = workdir / "tokens.toml"
         tokens.write_text(tokens_toml())
@@ -156,13 +168,25 @@ class Server:
             "--tune-malloc" if tune else "--no-tune-malloc",
             *("--max-streams-per-client", "1024", "--log-level", "WARNING"),
             *("--auth-tokens-file", str(tokens), *SERVER_LIMITS),
+            *self.ports.server_args(),
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def address(self) -> str:
-        """Where clients connect."""
+        """The server's own gRPC address (clients dial the proxy: :meth:`route`)."""
         return f"127.0.0.1:{self.port}"
+
+    def route(self, relays: dict[str, str]) -> Route:
+        """Where each client dials (the proxy; attackers through ``relays``)."""
+        return Route(
+            proxy_host=self.proxy.host,
+            grpc_port=self.ports.grpc,
+            bulk_port=self.ports.bulk,
+            health_port=self.ports.health,
+            server_health=f"127.0.0.1:{self.ports.server_health}",
+            relays=relays,
+        )
 
     def start(self) -> int:
         """Start the server, wait until SERVING; its pid."""
@@ -176,10 +200,12 @@ class Server:
             timeout_s=600.0,
             service="nopecache.v1.KVCache",
         )
+        self.proxy.start()
         return self.proc.pid
 
     def stop(self) -> None:
-        """SIGTERM, then wait."""
+        """SIGTERM, then wait (the proxy first)."""
+        self.proxy.stop()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=30)
@@ -283,18 +309,22 @@ async def main_async(args: argparse.Namespace) -> int:
         server = Server(Path(tmp), capacity, args.tune_malloc)
         pid = server.start()
         try:
-            await asyncio.sleep(0.5)
-            idle = rss_bytes(pid)
-            load = Load(n_keys, args.seconds)
-            peak, stop = [idle], asyncio.Event()
-            sampler = asyncio.create_task(sample_rss(pid, peak, stop))
-            alone = await victim_alone(server.address, args.alone_seconds)
-            elapsed = await run_load(server.address, load)
-            load_peak = peak[0]
-            hostile = await attack(server.address, args.attack_seconds, quick=args.quick)
-            stop.set()
-            await sampler
-            after = rss_bytes(pid)
+            with Relays(server.proxy.grpc_address, server.proxy.health_address) as relays:
+                route = server.route(relays)
+                await asyncio.sleep(0.5)
+                idle = rss_bytes(pid)
+                load = Load(n_keys, args.seconds)
+                peak, stop = [idle], asyncio.Event()
+                sampler = asyncio.create_task(sample_rss(pid, peak, stop))
+                alone = await victim_alone(route.grpc("victim"), args.alone_seconds)
+                elapsed = await run_load(route.grpc("load"), load)
+                load_peak = peak[0]
+                hostile = await attack(
+                    route, args.attack_seconds, idle_s=IDLE_S - 1, quick=args.quick
+                )
+                stop.set()
+                await sampler
+                after = rss_bytes(pid)
         finally:
             server.stop()
     everything = [x for values in load.latency.values() for x in values]
@@ -333,6 +363,13 @@ async def main_async(args: argparse.Namespace) -> int:
         f"idle bulk connections {flood.idle_bulk_opened}; new clients {flood.new_ok} ok "
         f"{flood.new_failed} failed"
     )
+    proxied = hostile.proxy
+    print(
+        f"  through the proxy: drip puts cut {proxied.drip_cut} (bulk {proxied.drip_bulk_cut}); "
+        f"health watches held on the proxy's health frontend {proxied.health_watches_held}; "
+        f"hoarded connections {proxied.hoarded}; kubelet-like probes {proxied.probes_ok} ok "
+        f"{proxied.probes_failed} failed"
+    )
     for note in hostile.notes[:10]:
         print(f"  hostile: {note}")
     print(
@@ -346,7 +383,8 @@ async def main_async(args: argparse.Namespace) -> int:
         f"victim_alone_p99_ms={pct_ms(alone, 0.99):.2f} "
         f"quota_overrun={hostile.quota_overrun():.3f} "
         f"victim_ok_share={hostile.victim_ok_share():.3f} "
-        f"new_client_ok_share={hostile.flood.new_client_ok_share():.3f}"
+        f"new_client_ok_share={hostile.flood.new_client_ok_share():.3f} "
+        f"health_ok_share={proxied.health_ok_share():.3f}"
     )
     return 0
 

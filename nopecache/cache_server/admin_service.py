@@ -297,7 +297,8 @@ class AdminService:
     async def Drain(
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainReply:
-        """Refuse new Puts, turn readiness off; with ``wait``, answer once idle."""
+        """Refuse new Puts, turn readiness off; with ``wait``, answer once idle; then flush the
+        tiers' writes (the disk tier's fsync)."""
         await self._admin_only(context, "drain")
         if not self._kv.puts.draining:
             self._kv.puts.draining = True
@@ -306,6 +307,8 @@ class AdminService:
             deadline = time.monotonic() + (request.timeout_ms / 1000 if request.timeout_ms else 30)
             while self._in_flight() and time.monotonic() < deadline:
                 await asyncio.sleep(_DRAIN_POLL_S)
+        # Writes already accepted reach the disk (fsync) before the caller is told to go on.
+        await self._store.flush()
         return pb.DrainReply(draining=True, in_flight=self._in_flight())
 
     async def GetQuota(

@@ -18,7 +18,8 @@ total, verification, quotas, metrics). A request-level :class:`~.refusal.Refusal
 answered with an ERROR naming the field (in ``_serve``, the one place), then the
 connection closes.
 Only plaintext servers offer it (with TLS the bytes would leave the encrypted channel);
-the listener binds the gRPC host on an ephemeral port and starts on the first OpenBulk.
+the listener binds the gRPC host on an ephemeral port (or ``bulk_listen``) and starts on the
+first OpenBulk, which announces its port (or ``bulk_advertise_port``: a front proxy's).
 Who may hold how many tickets, sockets and send buffers is bulk_limits.py's: the
 server's ``max_connections``, a share of it per principal, a HELLO within
 ``handshake_timeout_s``, an idle connection closed after ``connection_idle_timeout_s``.
@@ -53,7 +54,7 @@ from nopecache.cache_server.bulk_limits import (
     send_progressing,
 )
 from nopecache.cache_server.codes import put_reply
-from nopecache.cache_server.config import ServerConfig
+from nopecache.cache_server.config import ServerConfig, split_listen
 from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.refusal import Refusal
@@ -108,6 +109,9 @@ class BulkServer:
         self._puts = puts
         self._gets = gets
         self._host = host
+        # A fixed listener and the port announced instead of its own (a front proxy's).
+        self._listen = config.bulk_listen
+        self._advertise_port = config.bulk_advertise_port
         self._clock = clock
         self._hello_timeout_s = config.handshake_timeout_s
         self._idle_timeout_s = config.connection_idle_timeout_s
@@ -137,19 +141,32 @@ class BulkServer:
         if refused is not None:
             self._metrics.rejected("OpenBulk", "too_many_tickets")
             return refused
-        return self.port, ticket
+        return self._advertise_port or self.port, ticket
+
+    def listen(self) -> None:
+        """Start the listener now, not at the first OpenBulk (a fixed ``bulk_listen`` port
+        is claimed at start-up, before an ephemeral port of some client can take it)."""
+        if self._listener is None:
+            self._start()
 
     def _start(self) -> None:
-        family = socket.AF_INET6 if ":" in self._host.strip("[]") else socket.AF_INET
+        host, port = self._host.strip("[]"), 0
+        if self._listen:  # a fixed port, for a front proxy (deploy/haproxy)
+            host, port = split_listen(self._listen, "bulk_listen")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self._host.strip("[]"), 0))
-        listener.listen(64)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(64)
+        except OSError:
+            listener.close()
+            raise
         listener.setblocking(False)
         self._listener = listener
         self.port = listener.getsockname()[1]
         self._accepting = asyncio.get_running_loop().create_task(self._accept(listener))
-        log.info("bulk byte stream listening on %s:%d", self._host, self.port)
+        log.info("bulk byte stream listening on %s:%d", host, self.port)
 
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()

@@ -90,7 +90,8 @@ class ServerConfig:
         metadata=_opt(
             _URLS,
             "storage tier URL, fastest first; repeat for several (cuda://0?capacity=..., "
-            "cpu://?capacity=..., redis://host:port/db, rediss://..., redis+cluster://...)",
+            "cpu://?capacity=..., file:///dir?capacity=..., redis://host:port/db, rediss://..., "
+            "redis+cluster://...)",
             "URL",
         ),
     )
@@ -236,6 +237,23 @@ class ServerConfig:
             "HOST:PORT of a listener serving grpc.health.v1 only, outside the gRPC port's "
             "connection and call caps (point probes at it); '' for none",
             "HOST:PORT",
+        ),
+    )
+    bulk_listen: str = field(
+        default="",
+        metadata=_opt(
+            _STR,
+            "HOST:PORT the bulk byte stream listens on; '' for the gRPC host and a free "
+            "port (a front proxy needs a fixed one to forward to)",
+            "HOST:PORT",
+        ),
+    )
+    bulk_advertise_port: int = field(
+        default=0,
+        metadata=_opt(
+            _INT,
+            "the bulk port OpenBulk tells clients to dial (on the host they dialled for "
+            "gRPC); 0 for the port it listens on. Behind a front proxy: the proxy's bulk port",
         ),
     )
     max_health_watches_per_peer: int = field(
@@ -455,6 +473,12 @@ class ServerConfig:
             split_listen(self.admin_listen, "admin_listen")
         if self.health_listen:
             split_listen(self.health_listen, "health_listen")
+        if self.bulk_listen:
+            split_listen(self.bulk_listen, "bulk_listen")
+        if not 0 <= self.bulk_advertise_port <= 65535:
+            raise ConfigError(
+                f"bulk_advertise_port: must be in [0, 65535], got {self.bulk_advertise_port}"
+            )
         if self.max_health_watches_per_peer < 1:
             raise ConfigError(
                 f"max_health_watches_per_peer: must be >= 1, got {self.max_health_watches_per_peer}"

@@ -308,7 +308,14 @@ async def start_server(
             if credentials is None:
                 port = server.add_insecure_port(target)
                 # Plaintext: Get payloads may also take the bulk byte stream (bulk.py).
-                service.offer_bulk(config.host)
+                bulk = service.offer_bulk(config.host)
+                if config.bulk_listen:
+                    try:
+                        bulk.listen()
+                    except OSError as e:
+                        raise ConfigError(
+                            f"bulk_listen: cannot listen on {config.bulk_listen}: {e}"
+                        ) from e
             else:
                 port = server.add_secure_port(target, credentials)
         except RuntimeError as e:  # gRPC says only "Failed to bind": the probe above did not
@@ -401,16 +408,8 @@ async def serve(config: ServerConfig) -> int:
 
 
 def _corrupt_counts(store: TieredStore) -> list[tuple[str, int]]:
-    """(tier, damaged values found so far) for the tiers that detect damage (Redis)."""
-    out: list[tuple[str, int]] = []
-    for tier in store.tiers:
-        if tier.name == "redis":
-            # Imported only here: redis-py is loaded already when a Redis tier exists.
-            from nopecache.cache_server.tiers.redis import RedisTier
-
-            assert isinstance(tier, RedisTier)
-            out.append((tier.name, tier.corrupt_values))
-    return out
+    """(tier, damaged values found so far) for every tier (memory tiers always count 0)."""
+    return [(tier.name, tier.corrupt_values) for tier in store.tiers]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

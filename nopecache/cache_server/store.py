@@ -2,7 +2,7 @@
 
 ::
 
-    put ──> tier 0 (cuda) ──evict──> tier 1 (cpu) ──evict──> tier 2 (redis) ──> dropped
+    put ──> tier 0 (cpu) ──evict──> tier 1 (disk) ──evict──> tier 2 (redis) ──> dropped
               ^                        |                        |
               └──────── promote on get (a hit below the top is copied to tier 0) ┘
     write_through: every newly stored block also goes to the last tier (shared by replicas)
@@ -78,6 +78,15 @@ class PutOutcome(enum.Enum):
     UNAVAILABLE = "unavailable"
     # The tiers that could hold the blob are full of pinned blocks: not stored.
     FULL = "full"
+
+
+class _Moved(enum.Enum):
+    """What moving one block between tiers did."""
+
+    YES = "moved"
+    NO = "not stored there"
+    # A delete hit the key while it travelled: it must land nowhere.
+    DELETED = "deleted"
 
 
 class BlobTooLargeError(ValueError):
@@ -413,6 +422,12 @@ class TieredStore:
             pending = [i for i in pending if out[i] is None]
         return out
 
+    async def flush(self) -> None:
+        """Finish every tier's writes in flight and make them durable (the disk's fsync)."""
+        for level, tier in enumerate(self._tiers):
+            await tier.flush()
+            self._note_health(level)
+
     async def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
         """Every distinct stored key starting with ``prefix``, in any tier."""
         seen: dict[bytes, None] = {}
@@ -469,15 +484,23 @@ class TieredStore:
         dropped = []
         for entry in evicted:
             blob = entry.blob
-            assert blob is not None, "a demoting tier was asked to keep evicted blobs"
-            dst = self._next_fitting(level, len(blob))
-            if dst is None or (self._write_through and dst == last):
-                if not kept_below:
-                    dropped.append(entry.key)
-                continue
-            if await self._move(entry.key, blob, dst):
-                self._observer.on_demotion(src, self._tiers[dst].name)
-            else:
+            # None: a tier that reads its evictions back (disk) found the block damaged.
+            dst = self._next_fitting(level, len(blob)) if blob is not None else None
+            moved = tried = False
+            while blob is not None and dst is not None:
+                if self._write_through and dst == last:
+                    break
+                tried = True
+                outcome = await self._move(entry.key, blob, dst)
+                if outcome is _Moved.YES:
+                    self._observer.on_demotion(src, self._tiers[dst].name)
+                    moved = True
+                    break
+                if outcome is _Moved.DELETED or self._tiers[dst].healthy:
+                    break
+                # The tier below is failing (a full disk): the block skips it.
+                dst = self._next_fitting(dst, len(blob))
+            if not moved and (tried or not kept_below):
                 dropped.append(entry.key)
         self._dropped(dropped)
 
@@ -492,11 +515,11 @@ class TieredStore:
         dst = self._next_fitting(-1, len(blob))
         if dst is None or dst >= level:
             return
-        if await self._move(key, blob, dst):
+        if await self._move(key, blob, dst) is _Moved.YES:
             self._observer.on_promotion(self._tiers[level].name, self._tiers[dst].name)
 
-    async def _move(self, key: bytes, blob: bytes, dst: int) -> bool:
-        """Put a travelling block into tier ``dst`` (cascading its evictions); True if it
+    async def _move(self, key: bytes, blob: bytes, dst: int) -> _Moved:
+        """Put a travelling block into tier ``dst`` (cascading its evictions); whether it
         now lives there. A delete that hit the key meanwhile is applied to ``dst``."""
         self._begin_move([key])
         try:
@@ -507,8 +530,10 @@ class TieredStore:
         await self._demote(dst, result.evicted)
         if doomed:
             await self._tiers[dst].delete(key)
-            return False
-        return result.status in (PutStatus.STORED, PutStatus.ALREADY_PRESENT)
+            return _Moved.DELETED
+        if result.status in (PutStatus.STORED, PutStatus.ALREADY_PRESENT):
+            return _Moved.YES
+        return _Moved.NO
 
     def _begin_move(self, keys: Sequence[bytes]) -> None:
         moving = self._moving

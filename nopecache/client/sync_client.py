@@ -221,6 +221,7 @@ class CacheClient:
         form: KForm = "nope",
         segments: Sequence[int] | None = None,
         namespace: Namespace | None = None,
+        position_independent: bool = True,
         identity: InputIdentity | None = None,
     ) -> concurrent.futures.Future[StoreReport]:
         """Start :meth:`store` on the client's loop and return at once: a future that
@@ -233,6 +234,7 @@ class CacheClient:
             form=form,
             segments=segments,
             namespace=namespace,
+            position_independent=position_independent,
             identity=identity,
         )
         return self.submit(self._core.store_prepared(job))

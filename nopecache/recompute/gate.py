@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from nopecache.client.errors import InvalidArgumentError
+from nopecache.kernels.rope_check import relative_error
 
 __all__ = [
     "CALIBRATION_PROMPTS",
@@ -207,13 +208,13 @@ def divergence(full: torch.Tensor, blend: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def rope_error(described: torch.Tensor, model: torch.Tensor) -> float:
-    """Largest |described - model| over the largest |model| of two post-RoPE K tensors."""
+    """Largest |described - model| over the largest |model| of two post-RoPE K tensors
+    (``kernels.rope_check.relative_error``, the start-up RoPE check's measure)."""
     if described.shape != model.shape:
         raise InvalidArgumentError(
             "described", f"shape {tuple(described.shape)} != the model's {tuple(model.shape)}"
         )
-    scale = float(model.float().abs().max()) or 1.0
-    return float((described.float() - model.float()).abs().max()) / scale
+    return relative_error(described, model)
 
 
 def judge(

@@ -123,6 +123,8 @@ def test_config_flag_beats_config_env(toml_file: Path, tmp_path: Path) -> None:
         (["--log-level", "loud"], {}, "log_level: 'loud' is not one of"),
         (["--shutdown-grace-s", "-1"], {}, "shutdown_grace_s: must be >= 0, got -1.0"),
         (["--max-keys-per-request", "0"], {}, "max_keys_per_request: must be positive, got 0"),
+        (["--bulk-listen", "50564"], {}, "bulk_listen: expected HOST:PORT"),
+        (["--bulk-advertise-port", "65536"], {}, "bulk_advertise_port: must be in [0, 65535]"),
     ],
 )
 def test_invalid_values_name_the_option(argv: list[str], env: dict[str, str], message: str) -> None:

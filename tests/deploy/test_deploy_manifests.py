@@ -11,7 +11,9 @@ with no schema there, so its shape is checked by hand.
 Drift between code and manifests is checked against the server itself: the container's
 environment and the mounted TOML go through ``load_config`` (unknown keys or bad values
 fail), ports and probe ports are compared with the resulting ServerConfig, tier URLs are
-built by the tier factory, the probes' health service names are asked of a real server,
+built by the tier factory, the front proxy's ports and forwarding addresses are compared
+with haproxy.cfg's defaults and the server's options, its rendered config goes through
+``haproxy -c``, the probes' health service names are asked of a real server,
 and the Redis configs and the cluster-init script run against real redis-server
 processes on loopback.
 """
@@ -50,15 +52,19 @@ from nopecache.cache_server.service import server_version
 from nopecache.cache_server.sizes import parse_size
 from nopecache.cache_server.tiers import Tier, tier_from_url
 from nopecache.proto.contract import SERVICE_NAME
+from tests.support.haproxy_proc import CONFIG as PROXY_CONFIG
+from tests.support.haproxy_proc import check_config
 from tests.support.redis_procs import RedisProc, free_ports
 from tests.support.server_procs import CacheServerProc
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
+# Where the proxy image (haproxy) reads its config.
+PROXY_CONFIG_PATH = "/usr/local/etc/haproxy/haproxy.cfg"
 # The oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27).
 K8S_VERSION = "1.31"
 OVERLAYS = ("single", "cluster")
-COMPOSED = "cluster+gpu+servicemonitor"
+COMPOSED = "cluster+gpu+servicemonitor+disk"
 PD = "pd"  # the single overlay plus prefill and decode engines and the P/D proxy
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 ENGINE_LABEL = {"nopecache.io/client": "true"}
@@ -88,7 +94,8 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
         "namespace": "nopecache",
         "resources": [os.path.relpath(K8S / "overlays" / "cluster", composed)],
         "components": [
-            os.path.relpath(K8S / "components" / c, composed) for c in ("gpu", "servicemonitor")
+            os.path.relpath(K8S / "components" / c, composed)
+            for c in ("gpu", "servicemonitor", "disk")
         ],
     }
     (composed / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
@@ -120,10 +127,22 @@ def pod_specs(objs: list[Obj]) -> Iterator[tuple[str, Obj]]:
 
 
 def server_container(objs: list[Obj]) -> Obj:
-    """The nopecache server container of the StatefulSet ``nopecache``."""
-    (container,) = find(objs, "StatefulSet", "nopecache")["spec"]["template"]["spec"]["containers"]
-    assert container["name"] == "server"
-    return dict(container)
+    """The nopecache server container of the StatefulSet ``nopecache`` (the first)."""
+    containers = find(objs, "StatefulSet", "nopecache")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["server", "proxy"]
+    return dict(containers[0])
+
+
+def proxy_container(objs: list[Obj]) -> Obj:
+    """The front proxy (HAProxy) sidecar of the StatefulSet ``nopecache``."""
+    containers = find(objs, "StatefulSet", "nopecache")["spec"]["template"]["spec"]["containers"]
+    return dict(containers[1])
+
+
+def proxy_defaults(cfg: str) -> dict[str, str]:
+    """The addresses haproxy.cfg defaults to (its ``presetenv`` lines): name -> value."""
+    found = re.findall(r'^\s+presetenv (\S+)\s+"([^"]*)"$', cfg, flags=re.MULTILINE)
+    return dict(found)
 
 
 def mounted_file(objs: list[Obj], pod: Obj, container: Obj, path: str) -> str:
@@ -200,6 +219,7 @@ EXPECTED = {
     "base": {
         ("ServiceAccount", "nopecache"),
         ("ConfigMap", "nopecache-config"),
+        ("ConfigMap", "nopecache-proxy-config"),
         ("Service", "nopecache-headless"),
         ("StatefulSet", "nopecache"),
         ("PodDisruptionBudget", "nopecache"),
@@ -299,7 +319,8 @@ def test_env_and_toml_keys_are_server_options(
     toml = tomllib.loads(mounted_file(objs, pod, container, env[ENV_PREFIX + "CONFIG"]))
     assert set(toml) <= options
     config = server_config(objs, tmp_path)
-    assert (config.host, config.metrics_host, config.metrics) == ("0.0.0.0", "0.0.0.0", True)
+    # gRPC and bulk on loopback: only the proxy sidecar dials them.
+    assert (config.host, config.metrics_host, config.metrics) == ("127.0.0.1", "0.0.0.0", True)
 
 
 @pytest.mark.parametrize("name", ["base", *OVERLAYS])
@@ -311,11 +332,28 @@ def test_ports_and_probes_match_the_server_config(
     container = server_container(objs)
     health_host, health_port = split_listen(config.health_listen, "health_listen")
     assert health_host == "0.0.0.0" and health_port != config.port
-    assert ports_by_name(container) == {
-        "grpc": config.port,
-        "metrics": config.metrics_port,
-        "health": health_port,
+    assert ports_by_name(container) == {"metrics": config.metrics_port, "health": health_port}
+    # Clients reach gRPC and bulk through the proxy, which forwards to the server's
+    # loopback ports; the server announces the proxy's bulk port (issue 36, item 3).
+    proxy = proxy_container(objs)
+    pod = find(objs, "StatefulSet", "nopecache")["spec"]["template"]
+    defaults = proxy_defaults(mounted_file(objs, pod, proxy, PROXY_CONFIG_PATH))
+    assert ports_by_name(proxy) == {
+        "grpc": int(defaults["NOPECACHE_PROXY_GRPC_BIND"].removeprefix(":")),
+        "bulk": config.bulk_advertise_port,
+        "proxy-health": int(defaults["NOPECACHE_PROXY_HEALTH_BIND"].removeprefix(":")),
+        "proxy-monitor": int(defaults["NOPECACHE_PROXY_MONITOR_BIND"].removeprefix(":")),
     }
+    assert defaults["NOPECACHE_PROXY_BULK_BIND"] == f":{config.bulk_advertise_port}"
+    assert defaults["NOPECACHE_SERVER_GRPC"] == f"127.0.0.1:{config.port}"
+    assert defaults["NOPECACHE_SERVER_BULK"] == config.bulk_listen
+    assert split_listen(config.bulk_listen, "bulk_listen")[0] == "127.0.0.1"
+    assert defaults["NOPECACHE_SERVER_HEALTH"] == f"127.0.0.1:{health_port}"
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert proxy[kind]["httpGet"] == {
+            "path": "/healthz",
+            "port": ports_by_name(proxy)["proxy-monitor"],
+        }
     # The probes ask the health listener, outside the gRPC port's caps (issue 36).
     probes = {k: container[k] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert {p["grpc"]["port"] for p in probes.values()} == {health_port}
@@ -326,7 +364,8 @@ def test_ports_and_probes_match_the_server_config(
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is False
     assert {(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
-        ("grpc", config.port, "grpc"),
+        ("grpc", ports_by_name(proxy)["grpc"], "grpc"),
+        ("bulk", config.bulk_advertise_port, "bulk"),
         ("metrics", config.metrics_port, "metrics"),
     }
     statefulset = find(objs, "StatefulSet", "nopecache")
@@ -362,6 +401,23 @@ def test_probe_service_names_are_served_by_a_real_server(
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
 
 
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_proxy_sidecar_runs_the_checked_haproxy_config(
+    rendered: dict[str, list[Obj]], name: str, tmp_path: Path
+) -> None:
+    """The ConfigMap the sidecar mounts is deploy/haproxy/haproxy.cfg byte for byte, and
+    HAProxy's own check accepts it as rendered."""
+    objs = rendered[name]
+    pod = find(objs, "StatefulSet", "nopecache")["spec"]["template"]
+    proxy = proxy_container(objs)
+    assert proxy["image"].startswith("haproxy:2.6.") and "command" not in proxy
+    text = mounted_file(objs, pod, proxy, PROXY_CONFIG_PATH)
+    assert text == PROXY_CONFIG.read_text()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(text)
+    assert "Configuration file is valid" in check_config(cfg)
+
+
 def _close(tier: Tier) -> None:
     asyncio.run(tier.close())
 
@@ -387,6 +443,31 @@ def test_tier_urls_build_and_memory_covers_the_cpu_tier(
     assert requests["memory"] == limits["memory"]
     # The pool is allocated whole, and one Put stream may hold max_request_bytes on top.
     assert k8s_bytes(limits["memory"]) >= cpu_bytes + config.max_request_bytes
+
+
+def test_disk_component_claims_a_volume_per_replica_mounted_where_the_tier_lives(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    sts = find(rendered[COMPOSED], "StatefulSet", "nopecache")
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "cache"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    storage = k8s_bytes(claim["spec"]["resources"]["requests"]["storage"])
+    (mount,) = [
+        m for m in server_container(rendered[COMPOSED])["volumeMounts"] if m["name"] == "cache"
+    ]
+    assert mount["mountPath"] == "/var/cache/nopecache" and not mount.get("readOnly")
+    # The server runs as a non-root user: the claim is writable through the pod's fsGroup.
+    assert sts["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
+    assert (
+        "volumeClaimTemplates" not in find(rendered["cluster"], "StatefulSet", "nopecache")["spec"]
+    )
+    # The tier URL the component documents fits its claim and builds (on a small scale).
+    doc = (K8S / "components" / "disk" / "kustomization.yaml").read_text()
+    match = re.search(r'"(file://(/var/cache/nopecache)\?capacity=([^"&]+))"', doc)
+    assert match is not None
+    assert parse_size(match[3], field="capacity") <= 0.9 * storage
+    _close(tier_from_url(match[1].replace(match[2], str(tmp_path)).replace(match[3], "1MiB")))
 
 
 def test_single_is_one_replica_over_one_redis(
@@ -510,16 +591,16 @@ def test_network_policies_admit_engines_prometheus_and_servers_only(
     rendered: dict[str, list[Obj]], name: str
 ) -> None:
     objs = rendered[name]
-    ports = ports_by_name(server_container(objs))
+    ports = ports_by_name(server_container(objs)) | ports_by_name(proxy_container(objs))
     policy = find(objs, "NetworkPolicy", "nopecache")
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
-    # Named ports: they resolve to the container's ports. The health port has no rule: only
-    # the kubelet (not subject to the policy) may reach it, so no pod can hoard it.
-    assert set(rules) == set(ports) - {"health"}
-    assert rules["grpc"] == [
-        {"namespaceSelector": {}, "podSelector": {"matchLabels": ENGINE_LABEL}}
-    ]
+    rules = {p["port"]: r["from"] for r in policy["spec"]["ingress"] for p in r["ports"]}
+    # Named ports: they resolve to the containers' ports. The health port and the proxy's
+    # monitor have no rule: only the kubelet (not subject to the policy) may reach them, so
+    # no pod can hoard them. Engines reach the server only through the proxy.
+    assert set(rules) == set(ports) - {"health", "proxy-monitor"}
+    engines = [{"namespaceSelector": {}, "podSelector": {"matchLabels": ENGINE_LABEL}}]
+    assert rules["grpc"] == rules["bulk"] == rules["proxy-health"] == engines
     (prometheus,) = rules["metrics"]
     assert prometheus["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
     redis_policy = find(objs, "NetworkPolicy", "nopecache-redis")

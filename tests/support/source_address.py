@@ -4,6 +4,9 @@ gRPC's Python channel cannot choose its source address, so a test that needs a c
 127.0.0.5 dials :class:`relay_from`'s listening address (127.0.0.1, a free port); each
 connection it accepts is relayed to the target over a socket bound to the source address.
 The server then sees the peer ``ipv4:127.0.0.5:PORT``. Loopback only (127.0.0.0/8).
+``listen`` picks the relay's own address: a client whose server announces a second port
+(the bulk stream's) dials the host it dialled for gRPC at that port, so a relay for that
+port listens on the same host with the announced port number.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import contextlib
 import ipaddress
 import socket
 
-__all__ = ["relay_from"]
+__all__ = ["connect_from", "relay_from"]
 
 _CHUNK = 64 * 1024
 
@@ -29,11 +32,16 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 class relay_from:
-    """``async with relay_from("127.0.0.5", "127.0.0.1:1234") as address``: dial ``address``."""
+    """``async with relay_from("127.0.0.5", "127.0.0.1:1234") as address``: dial ``address``
+    (``listen=("127.0.0.15", 1234)``: the relay listens there instead of 127.0.0.1:free)."""
 
-    def __init__(self, source: str, target: str) -> None:
-        if not ipaddress.ip_address(source).is_loopback:
-            raise ValueError(f"tests use loopback addresses only, got {source}")
+    def __init__(
+        self, source: str, target: str, listen: tuple[str, int] = ("127.0.0.1", 0)
+    ) -> None:
+        for host in (source, listen[0]):
+            if not ipaddress.ip_address(host).is_loopback:
+                raise ValueError(f"tests use loopback addresses only, got {host}")
+        self._listen = listen
         self._source = source
         host, _, port = target.rpartition(":")
         self._target = (host, int(port))
@@ -63,9 +71,9 @@ class relay_from:
         task.add_done_callback(self._tasks.discard)
 
     async def __aenter__(self) -> str:
-        self._server = await asyncio.start_server(self._track, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        return f"127.0.0.1:{port}"
+        self._server = await asyncio.start_server(self._track, *self._listen)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._server is not None
@@ -74,3 +82,18 @@ class relay_from:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.wait_closed()
+
+
+def connect_from(source: str, host: str, port: int, timeout_s: float = 30.0) -> socket.socket:
+    """A blocking TCP socket from ``source`` (loopback) connected to ``host:port``."""
+    if not ipaddress.ip_address(source).is_loopback:
+        raise ValueError(f"tests use loopback addresses only, got {source}")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((source, 0))
+        sock.settimeout(timeout_s)
+        sock.connect((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,10 +1,11 @@
-"""Storage tiers (GPU memory, host memory, Redis) and the URL factory that builds them.
+"""Storage tiers (GPU memory, host memory, local disk, Redis) and the URL factory that builds them.
 
 =====================================================  ==================================
 URL                                                    tier
 =====================================================  ==================================
 ``cuda://0?capacity=8GiB[&page=64KiB]``                :class:`~.cuda.CudaTier`
 ``cpu://?capacity=8GiB[&page=64KiB][&pinned=no]``      :class:`~.cpu.CpuTier`
+``file:///dir?capacity=64GiB[&page=256KiB]``            :class:`~.disk.DiskTier` (kept on restart)
 ``redis://[:password@]host:port/db?ttl=&timeout=``     :class:`~.redis.RedisTier`
 ``rediss://...`` (TLS, redis-py's ``ssl_*`` options)   :class:`~.redis.RedisTier`
 ``redis+cluster://host:port,host:port?...``            :class:`~.redis.RedisTier` (Cluster)
@@ -63,11 +64,15 @@ def tier_from_url(url: str, *, max_blob_bytes: int | None = None) -> Tier:
         from nopecache.cache_server.tiers.cuda import CudaTier
 
         return CudaTier.from_url(url)
+    if scheme == "file":
+        from nopecache.cache_server.tiers.disk import DiskTier
+
+        return DiskTier.from_url(url)
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from nopecache.cache_server.tiers.redis import RedisTier
 
         return RedisTier.from_url(url, max_blob_bytes=max_blob_bytes)
     raise TierConfigError(
         f"{redact_url(url)}: unknown tier scheme {scheme!r} "
-        "(use cpu://, cuda://, redis://, rediss://, redis+cluster://)"
+        "(use cpu://, cuda://, file://, redis://, rediss://, redis+cluster://)"
     )

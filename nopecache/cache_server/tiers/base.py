@@ -43,7 +43,7 @@ __all__ = [
     "redact_url",
 ]
 
-TierName = Literal["cuda", "cpu", "redis"]
+TierName = Literal["cuda", "cpu", "disk", "redis"]
 # What ``put`` accepts: any C-contiguous buffer (a tier copies it before returning).
 BlobLike = bytes | bytearray | memoryview
 
@@ -141,6 +141,9 @@ class Tier(ABC):
     trusted: ClassVar[bool] = True
     # Keys this tier must not evict nor expire (the server's pins); None: none.
     keep: KeepSet | None = None
+    # Stored values found damaged since start (each deleted, never served): the tiers
+    # that can hold damage (Redis, disk) count them; the server exports the running count.
+    corrupt_values: int = 0
 
     @property
     @abstractmethod
@@ -185,6 +188,11 @@ class Tier(ABC):
     async def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
         """Every stored key starting with ``prefix`` (b"": all); an admin flush's scan."""
         raise NotImplementedError(f"{self.name} tier: keys_with_prefix")
+
+    async def flush(self) -> None:
+        """Finish the writes in flight and make them durable (a disk's fsync); memory and
+        Redis tiers have nothing to do."""
+        return None
 
     async def hold(self, keys: Sequence[bytes], held: bool) -> None:
         """Keep ``keys`` from expiring while ``held`` (a pin), or let them expire again.

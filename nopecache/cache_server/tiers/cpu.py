@@ -147,6 +147,17 @@ class PageTable:
         self.index[key] = placement
         return placement
 
+    def restore(self, entries: Sequence[tuple[bytes, Placement]]) -> None:
+        """Index ``entries`` (least recently used first) on an empty table and take their
+        pages (a tier whose blocks outlived the process: the disk tier's rebuild)."""
+        assert not self.index, "restore: the table is not empty"
+        owned = bytearray(self.n_pages)
+        for key, placement in entries:
+            self.index[key] = placement
+            for start, count in placement.runs:
+                owned[start : start + count] = b"\x01" * count
+        self._free = [p for p in range(self.n_pages - 1, -1, -1) if not owned[p]]
+
     def pop_lru(self, keep: KeepSet | None = None) -> tuple[bytes, Placement]:
         """Unindex the least recently used block that ``keep`` does not hold; its pages
         stay owned until ``release``. The caller checked that such a block exists."""

@@ -64,6 +64,7 @@ from nopecache.integrations.hf.forward import (
     selective_prefill,
 )
 from nopecache.integrations.hf.gate import Tokenize, calibrate
+from nopecache.integrations.hf.rope_check import check_engine_rope
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import StoredForm
 from nopecache.recompute.gate import DEFAULT_THRESHOLDS, GateThresholds, GateVerdict
@@ -230,7 +231,11 @@ class HFEngine:
         engine runs the blend correctness gate now (``integrations/hf/gate.py``) and, when
         the gate refuses, reuses exact prefixes only: position-independent chunks become
         misses, each such prefill counted in ``blend_fallbacks`` (the verdict, with its
-        figures, is ``gate_verdict`` and is logged).
+        figures, is ``gate_verdict`` and is logged). Whatever ``gate``, the RoPE
+        description is checked against the model's own rotation (``rope_check.py``, no
+        forward run); a mismatch turns position-independent reuse off as a refused gate
+        does (``rope_check``, every figure logged), and ``CacheClientSource`` then stores
+        and looks up exact prefixes only.
         """
         self.prefill_observers: list[Callable[[int, float], None]] = (
             [] if on_prefill is None else [on_prefill]
@@ -244,6 +249,18 @@ class HFEngine:
         self.policy = policy if policy is not None else DEFAULT_POLICY
         self.blend_fallbacks = 0
         self.gate_verdict: GateVerdict | None = None
+        # The description against the model's own rotation (rope_check.py): cheap, always.
+        self.rope_check = check_engine_rope(self.stack, self.rope, gate_thresholds)
+        if self.rope_check.passed:
+            log.info("nopecache: %s: %s", self.name, self.rope_check.summary())
+        else:
+            log.warning(
+                "nopecache: %s: %s; position-independent reuse off, exact prefixes only; "
+                "every figure:\n%s",
+                self.name,
+                self.rope_check.summary(),
+                self.rope_check.report(),
+            )
         if gate is not None:
             self.gate_verdict = calibrate(self, gate, self.policy, thresholds=gate_thresholds)
             if self.gate_verdict.passed:
@@ -252,9 +269,16 @@ class HFEngine:
                 log.warning("nopecache: %s: %s", self.name, self.gate_verdict.reason())
 
     @property
+    def position_independent(self) -> bool:
+        """False when the RoPE check refused the description: position-independent KV is
+        neither reused nor stored (exact prefixes only)."""
+        return self.rope_check.passed
+
+    @property
     def blend_allowed(self) -> bool:
-        """False when the correctness gate refused blend mode (exact prefixes only)."""
-        return self.gate_verdict is None or self.gate_verdict.passed
+        """False when the RoPE check or the correctness gate refused blend mode (exact
+        prefixes only)."""
+        return self.position_independent and (self.gate_verdict is None or self.gate_verdict.passed)
 
     def fingerprint(self, form: StoredForm = StoredForm.NOPE) -> ModelFingerprint:
         """The model's KV identity for keys and blocks."""
@@ -432,14 +456,24 @@ class CacheClientSource:
         ``namespace`` overrides the client config's for this source's keys.
         """
         self.client = client
+        self.engine = engine
         self.wait = wait
         if engine is not None and client.observe_prefill not in engine.prefill_observers:
             engine.prefill_observers.append(client.observe_prefill)
         self.namespace = namespace
 
+    @property
+    def _position_independent(self) -> bool:
+        return self.engine is None or self.engine.position_independent
+
     def reuse(self, tokens: TokenIds, segments: Sequence[int] = ()) -> ReusedKV | None:
         """Lookup and fetch through the client; failed blocks become misses."""
-        plan = self.client.lookup(tokens, segments=list(segments) or None, namespace=self.namespace)
+        plan = self.client.lookup(
+            tokens,
+            segments=list(segments) or None,
+            namespace=self.namespace,
+            allow_position_independent=self._position_independent,
+        )
         if not plan.blocks:
             return None
         result = self.client.fetch(plan, tokens)
@@ -457,8 +491,12 @@ class CacheClientSource:
         prefix: bool = True,
         position_independent: bool = True,
     ) -> None:
-        """Store nope K and V (computed at positions 0..n-1) through the client."""
+        """Store nope K and V (computed at positions 0..n-1) through the client (exact
+        prefix keys only when the engine's RoPE check refused its description)."""
         require_exact(kv, prefix)
+        position_independent = position_independent and self._position_independent
+        if not (prefix or position_independent):
+            return
         self.client.store(
             tokens,
             (kv.k_nope, kv.v),

@@ -169,6 +169,13 @@ class LlamaStack:
         cos, sin = self.rotary(probe, position_ids=positions)
         return cos, sin
 
+    def rotate_keys(self, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE K ``[n, kv_heads, head_dim]`` rotated to ``positions`` as this stack's
+        prefill rotates every layer's K (the model's rotary table, transformers' order)."""
+        probe = torch.empty((1, k.shape[0], 1), dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(probe, position_ids=positions.to(self.device)[None])
+        return _apply_rope(k, cos[0][:, None], sin[0][:, None])
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

@@ -67,6 +67,7 @@ __all__ = [
     "kv_events_enabled",
     "kv_role",
     "kv_transfer_params",
+    "layer_rotary",
     "llama_modules",
     "lora_label",
     "max_model_len",
@@ -91,6 +92,7 @@ __all__ = [
     "residual_norm",
     "rope",
     "rope_types",
+    "rotate_keys",
     "scheduled_requests",
     "tensor_parallel_rank",
     "text_config_dict",
@@ -421,6 +423,29 @@ def attention_layers(vllm_config: VllmConfig, names: Iterable[str]) -> dict[str,
     """The attention modules vLLM registered under ``names`` (those it has)."""
     context = vllm_config.compilation_config.static_forward_context
     return {name: context[name] for name in names if name in context}
+
+
+def layer_rotary(model: nn.Module, attention_name: str) -> nn.Module | None:
+    """The rotary embedding of the attention layer vLLM registered as ``attention_name``
+    (``model.layers.3.self_attn.attn``): its parent module's ``rotary_emb``; None when
+    that module has none (the layer does not rotate, as far as the connector can tell)."""
+    parent, _, _ = attention_name.rpartition(".")
+    try:
+        owner = model.get_submodule(parent) if parent else model
+    except AttributeError:
+        return None
+    rotary = getattr(owner, "rotary_emb", None)
+    return rotary if isinstance(rotary, nn.Module) else None
+
+
+def rotate_keys(rotary: nn.Module, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE K ``[n, kv_heads, head_dim]`` rotated to ``positions`` by vLLM's rotary
+    module as the layer's forward calls it (``rotary_emb(positions, q, k)``, flat over
+    heads, possibly in place: it is handed copies); ``k`` is left unchanged."""
+    n = k.shape[0]
+    flat = k.reshape(n, -1)
+    _, rotated = rotary(positions, flat.clone(), flat.clone())
+    return torch.as_tensor(rotated).reshape(k.shape)
 
 
 # -- the CPU cache writer -------------------------------------------------------------

@@ -18,7 +18,9 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
     recompute_budget
                  float  0.15         blend only: share of the reused position-independent
                                      token-layers the policy recomputes, in [0, 1]
-    namespace    str    ""           salt separating workloads within one tenant
+    namespace    str    ""           salt separating workloads within one tenant; unset,
+                                     the url's ``?namespace=`` (the two given and
+                                     different: a start-up error naming both)
     load         bool   true         look up and load cached KV
     load_async   bool   true         fetch in the background while vLLM runs other
                                      requests (the request waits in
@@ -44,9 +46,10 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      (keys and store/fetch rotation), e.g.
                                      {"rope_type": "linear", "factor": 2.0,
                                      "rope_theta": 100000}: for a model whose config
-                                     does not state the RoPE it runs. In blend mode the
-                                     correctness gate checks it against the model's own
-                                     rotary embedding (gate.py)
+                                     does not state the RoPE it runs. Checked at
+                                     start-up against every layer's own rotary
+                                     embedding like the config's (rope_check.py): a
+                                     mismatch turns position-independent reuse off
     blend_check_share
                  float  0.01         blend only: share of blended requests re-checked in
                                      the background against a full prefill, in [0, 1]
@@ -93,7 +96,7 @@ the KV cache dtype, and the RoPE vLLM applies at this engine's ``max_model_len``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -193,6 +196,25 @@ def _role(kv_role: str | None, extra: Mapping[str, Any]) -> KvRole:
             "save", "kv_role='kv_consumer' loads and never stores: remove save or set false"
         )
     return role  # type: ignore[return-value]  # checked against KV_ROLES
+
+
+def _namespace(client: ClientConfig, given: object) -> str:
+    """The key namespace: the extra config's, else the url's ``?namespace=``.
+
+    The connector passes its namespace on every call, which overrides the client's own:
+    taking the url's here keeps a ``?namespace=`` from being silently dropped, and two
+    different values are refused rather than one picked.
+    """
+    if given is None:
+        return client.namespace
+    namespace = _str("namespace", given)
+    if client.namespace and namespace != client.namespace:
+        raise ConnectorConfigError(
+            "namespace",
+            f"{namespace!r} differs from the url's ?namespace={client.namespace!r}; "
+            "give one of them, or the same value in both",
+        )
+    return namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,8 +351,9 @@ class ConnectorConfig:
                 "handoff_deadline_ms",
                 f"must be a number of milliseconds in [0, 600000], got {deadline!r}",
             )
+        namespace = _namespace(client, extra.get("namespace"))
         return cls(
-            client=client,
+            client=replace(client, namespace=namespace),
             role=role,
             handoff_deadline_ms=float(deadline),
             kv_head_group=group,
@@ -341,7 +364,7 @@ class ConnectorConfig:
             pi_reuse=pi_reuse,  # type: ignore[arg-type]  # checked against _PI_REUSE
             recompute_policy=policy,
             recompute_budget=float(budget),
-            namespace=_str("namespace", extra.get("namespace", "")),
+            namespace=namespace,
             load=_bool("load", extra.get("load", role != "kv_producer")),
             load_async=_bool("load_async", extra.get("load_async", True)),
             save=_bool("save", extra.get("save", role != "kv_consumer")),

@@ -20,6 +20,7 @@ modules are:
     layout.py     how attention backends lay out the paged cache (KVLayout)
     blend.py      blend mode's claim arithmetic and start-up check
     blend_loop.py blend mode's layer loop over vLLM's modules and paged cache
+    rope_check.py the start-up check of the RoPE spec against vLLM's rotary modules
     metrics.py    the counters in vLLM's stats logger and Prometheus
     compat.py     every reach into vLLM beyond this connector base API
     errors.py     the start-up refusals
@@ -55,6 +56,7 @@ from nopecache.integrations.vllm.events import AnnouncedBlocks
 from nopecache.integrations.vllm.layout import CpuAttnLayout
 from nopecache.integrations.vllm.metadata import StepPlan, StepReport
 from nopecache.integrations.vllm.metrics import NopecachePromMetrics, NopecacheStats
+from nopecache.integrations.vllm.rope_check import engine_rotations
 from nopecache.integrations.vllm.scheduler import SchedulerSide
 from nopecache.integrations.vllm.worker import WorkerSide
 
@@ -116,11 +118,14 @@ class NopecacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 class NopecacheHandshake(KVConnectorHandshakeMetadata):
     """A worker's start-up word to the scheduler half: why it cannot blend (None: it
-    can), e.g. its correctness gate's refusal with the figures (gate.py)."""
+    can), e.g. its correctness gate's refusal with the figures (gate.py), and why it
+    takes no position-independent blocks (None: it does), its RoPE check's refusal
+    (rope_check.py)."""
 
-    def __init__(self, blend_refused: str | None) -> None:
-        """Wrap the refusal."""
+    def __init__(self, blend_refused: str | None, pi_refused: str | None = None) -> None:
+        """Wrap the refusals."""
         self.blend_refused = blend_refused
+        self.pi_refused = pi_refused
 
 
 class NopecacheConnector(KVConnectorBase_V1):
@@ -229,6 +234,11 @@ class NopecacheConnector(KVConnectorBase_V1):
         if isinstance(layout, CpuAttnLayout):
             compat.verify_cpu_layout(layout, self.model.dtype)
         log.info("nopecache: KV cache layout %s for %d layers", layout.name, len(kv_caches))
+        if worker.rotates:
+            layers = compat.attention_layers(self._vllm_config, kv_caches)
+            worker.check_rope(
+                lambda: engine_rotations(layers), compat.max_model_len(self._vllm_config)
+            )
         if self.settings.blend:
             worker.bind_model(compat.attention_layers(self._vllm_config, kv_caches))
             worker.run_gate(_tokenize(self._vllm_config) if worker.blend_stack else None)
@@ -240,10 +250,13 @@ class NopecacheConnector(KVConnectorBase_V1):
                 )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        """Whether this worker blends (its gate's verdict), for the scheduler half."""
-        if self._worker is None or not self.settings.blend:
+        """Whether this worker blends (its gate's verdict) and takes position-independent
+        blocks (its RoPE check's), for the scheduler half."""
+        worker = self._worker
+        if worker is None or (not self.settings.blend and worker.pi_refused is None):
             return None
-        return NopecacheHandshake(self._worker.blend_unavailable)
+        blend_refused = worker.blend_unavailable if self.settings.blend else None
+        return NopecacheHandshake(blend_refused, worker.pi_refused)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step's plan and start timing the step."""
@@ -315,10 +328,15 @@ class NopecacheConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        """The workers' start-up word: one that cannot blend puts the engine in prefix mode."""
+        """The workers' start-up word: one that cannot blend, or takes no
+        position-independent blocks, puts the engine in prefix mode."""
         for meta in metadata.values():
-            if isinstance(meta, NopecacheHandshake) and meta.blend_refused is not None:
+            if not isinstance(meta, NopecacheHandshake):
+                continue
+            if meta.blend_refused is not None:
                 self._scheduler_side().refuse_blend(meta.blend_refused)
+            if meta.pi_refused is not None:
+                self._scheduler_side().refuse_position_independent(meta.pi_refused)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

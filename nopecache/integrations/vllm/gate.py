@@ -7,7 +7,8 @@ and weights through the plain forward of ``plain.py``:
 - RoPE: in a full prefill of each calibration prompt, every layer's pre-RoPE K (vLLM's
   fused ``qkv_proj``) rotated with the RoPE the connector *describes* (``RopeSpec``: the
   rotation every store and fetch applies) must equal the K vLLM's own ``rotary_emb``
-  produces (``rope_error``, relative to the largest |K|), within the model dtype's
+  produces (``kernels.rope_check.rotation_error``, relative to the largest |K|: the
+  measure of the start-up RoPE check, ``rope_check.py``), within the model dtype's
   rounding (``GateThresholds.for_dtype``: bf16 rounds vLLM's own rotation).
 - Answers: the full prefill's greedy answer (``ANSWER_TOKENS``) is the reference. The
   chunk is then computed as another request would have stored it (behind the context's
@@ -37,6 +38,7 @@ from nopecache.integrations.vllm.blend_loop import VllmStack
 from nopecache.integrations.vllm.plain import PlainForward
 from nopecache.kernels import RopeSpec
 from nopecache.kernels.api import rotate
+from nopecache.kernels.rope_check import rotation_error
 from nopecache.recompute.gate import (
     ANSWER_TOKENS,
     CALIBRATION_PROMPTS,
@@ -45,7 +47,6 @@ from nopecache.recompute.gate import (
     GateThresholds,
     GateVerdict,
     judge,
-    rope_error,
 )
 from nopecache.recompute.policies import RecomputePolicy, ReuseLayout
 
@@ -72,7 +73,7 @@ class _Projection:
 class RopeProbeStack(VllmStack):
     """A VllmStack that checks, at every layer it projects, the described rotation of
     the model's pre-RoPE K against the post-RoPE K of the model's own rotary embedding
-    (the largest :func:`rope_error` seen is :attr:`error`)."""
+    (the largest :func:`rotation_error` seen is :attr:`error`)."""
 
     def __init__(self, model: nn.Module, rope: RopeSpec) -> None:
         """Probe ``model`` against the description ``rope``."""
@@ -88,8 +89,7 @@ class RopeProbeStack(VllmStack):
         pre = k.reshape(n, self.num_kv_heads, self.head_dim).clone()  # rotary is in place
         q, k = compat.rope(attn, positions, q.clone(), k.clone())
         post = k.reshape(n, self.num_kv_heads, self.head_dim)
-        described = rotate(pre.float().contiguous(), None, positions, self.rope)
-        self.error = max(self.error, rope_error(described, post))
+        self.error = max(self.error, rotation_error(pre, post, positions, self.rope))
         return _Projection(
             post,
             v.reshape(n, self.num_kv_heads, self.head_dim),

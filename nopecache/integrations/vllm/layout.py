@@ -112,7 +112,8 @@ class KVLayout(ABC):
     def read_blocks_into(
         self, cache: torch.Tensor, block_ids: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor
     ) -> None:
-        """Copy whole blocks into ``k_out``/``v_out`` ``[len(block_ids) * block_size, H, D]``.
+        """Copy whole blocks into ``k_out``/``v_out`` ``[len(block_ids) * block_size, H, D]``,
+        which must be on the cache's device (a gather cannot cross devices).
 
         One gather per tensor straight into the outputs (no temporary).
         """
@@ -120,6 +121,44 @@ class KVLayout(ABC):
         shape = (len(ids), self.block_size, self.num_kv_heads, self.head_dim)
         torch.index_select(self.k_view(cache), 0, ids, out=k_out.view(shape))
         torch.index_select(self.v_view(cache), 0, ids, out=v_out.view(shape))
+
+    def blocks_to_host(
+        self, caches: Sequence[torch.Tensor], block_ids: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks of every layer, ``[layers, len(block_ids) * block_size,
+        H, D]`` each, in host memory (pinned when the caches are on CUDA).
+
+        Each layer is gathered on the caches' device, then copied once to the host::
+
+            cache (device) --index_select--> staging (device, one layer) --copy--> host
+
+        The staging holds one layer, not the whole request: vLLM gives the KV cache most
+        of the GPU's memory, so a whole request's KV gathered there at once could fail to
+        allocate. The copies are queued on the device's current stream (after the forward
+        that wrote the blocks) and waited for before returning: the client's store queue
+        reads the host tensors on another thread.
+        """
+        device = caches[0].device
+        rows = len(block_ids) * self.block_size
+        shape = (len(caches), rows, self.num_kv_heads, self.head_dim)
+        on_cuda = device.type == "cuda"
+        k = torch.empty(shape, dtype=caches[0].dtype, pin_memory=on_cuda)
+        v = torch.empty(shape, dtype=caches[0].dtype, pin_memory=on_cuda)
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+        if device.type == "cpu":
+            for layer, cache in enumerate(caches):
+                self.read_blocks_into(cache, ids, k[layer], v[layer])
+            return k, v
+        staging_k = torch.empty(shape[1:], dtype=k.dtype, device=device)
+        staging_v = torch.empty(shape[1:], dtype=v.dtype, device=device)
+        for layer, cache in enumerate(caches):
+            # Stream order keeps the next gather from overwriting staging before its copy.
+            self.read_blocks_into(cache, ids, staging_k, staging_v)
+            k[layer].copy_(staging_k, non_blocking=on_cuda)
+            v[layer].copy_(staging_v, non_blocking=on_cuda)
+        if on_cuda:
+            torch.cuda.current_stream(device).synchronize()
+        return k, v
 
 
 def _describe(cache: torch.Tensor) -> str:

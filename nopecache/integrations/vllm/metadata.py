@@ -92,8 +92,10 @@ class StepReport:
     fetched_bytes: int = 0  # block bytes the client's fetches received
     fetch_seconds: float = 0.0  # those fetches, placement into vLLM's cache included
     load_errors: int = 0  # blocks reported to vLLM as failed loads
+    load_failures: int = 0  # loads that raised (their blocks are load errors: recomputed)
     saved_tokens: int = 0
     save_dropped: int = 0  # stores the client's queue refused
+    save_failures: int = 0  # saves that raised (nothing stored for the request)
     computed_tokens: int = 0  # tokens the forward computed
     forward_seconds: float = 0.0  # the step's forward, loads excluded
     blend_miss_tokens: int = 0  # claimed tokens the blend loop computed as misses
@@ -102,6 +104,7 @@ class StepReport:
     blend_fallbacks: int = 0  # blend loads that failed: vLLM recomputed from the first hit
     blend_seconds: float = 0.0  # time in the layer loop (fetches excluded)
     blend_token_layers: int = 0  # token-layers the loop computed (misses included)
+    rope_check_failed: int = 0  # workers whose start-up RoPE check refused PI reuse
     failed_requests: list[str] = field(default_factory=list)
 
     def add(self, other: StepReport, *, same_step: bool = False) -> StepReport:

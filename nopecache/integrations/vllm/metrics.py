@@ -109,7 +109,9 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "loaded_bytes": "Block bytes fetched from nopecache servers",
         "load_seconds": "Seconds spent fetching and placing loads",
         "load_errors": "Claimed blocks that failed to load (vLLM recomputed them)",
+        "load_failures": "Loads that raised an error (their blocks were recomputed)",
         "saved_tokens": "Prompt tokens handed to the store queue",
+        "save_failures": "Saves that raised an error (the request's KV was not stored)",
         "save_dropped": "Stores dropped because the client's queue was full",
         "lookups": "Prompts looked up",
         "lookup_failures": "Lookups that failed (the request ran uncached)",
@@ -125,6 +127,9 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "pd_deadline_misses": "Hand-offs whose blocks had not all landed by the deadline",
         "pd_missing_tokens": "Prompt tokens a hand-off named that were recomputed instead",
         "pd_bad_handoffs": "Hand-offs malformed or not matching the request's own keys",
+        "rope_check_failed": (
+            "Workers whose start-up RoPE check turned position-independent reuse off"
+        ),
     }
     _HISTOGRAMS: ClassVar[dict[str, str]] = {
         "blend_kl": "KL(full prefill || blend) of a sampled blended request's answer (nats)",

@@ -231,6 +231,8 @@ class SchedulerSide:
         self.model = model
         self.client = client
         self.blend = config.blend and blend_unsupported is None
+        # False once a worker's RoPE check refused the spec: exact prefixes only.
+        self.position_independent = config.pi_reuse != "off"
         self.policy = config.policy() if self.blend else None
         self._claims: dict[str, Claim] = {}
         # Lookups in flight, by request (answered on a later call of matched_tokens).
@@ -258,6 +260,18 @@ class SchedulerSide:
             log.warning("nopecache: blend mode refused by a worker, prefix mode only (%s)", reason)
         self.blend = False
         self.policy = None
+
+    def refuse_position_independent(self, reason: str) -> None:
+        """Look up exact prefixes only from now on (a worker's start-up RoPE check refused
+        the spec: rope_check.py); blend mode goes with it."""
+        if self.position_independent:
+            log.warning(
+                "nopecache: position-independent reuse refused by a worker, exact prefixes "
+                "only (%s)",
+                reason,
+            )
+        self.position_independent = False
+        self.refuse_blend(reason)
 
     # -- identity ---------------------------------------------------------------------
     def identity(self, request: Request) -> InputIdentity | str:
@@ -331,7 +345,7 @@ class SchedulerSide:
                 tokens,
                 segments=self.config.segments(tokens),
                 namespace=self.config.namespace,
-                allow_position_independent=self.config.pi_reuse != "off",
+                allow_position_independent=self.position_independent,
                 identity=identity,
             )
 

@@ -18,7 +18,13 @@ must be in place before it. A hit that fails verification, a server that dies mi
 any error while placing marks the blocks it covers as failed loads: vLLM recomputes
 them (``get_block_ids_with_load_errors``), and nothing wrong is ever attended to.
 vLLM's K is post-RoPE, so blocks are stored with ``form="rope"`` at their positions:
-exact-prefix blocks stay bit-exact, position-independent ones are un-rotated once.
+exact-prefix blocks stay bit-exact, position-independent ones are un-rotated once, with
+the RoPE spec the start-up check found vLLM's own rotary modules to apply
+(``rope_check.py``; refused, the worker stores exact-prefix keys only). A save gathers
+its blocks on the cache's device and copies them once to (pinned, on CUDA) host memory
+(``KVLayout.blocks_to_host``). A save or load that raises is counted
+(``save_failures``, ``load_failures``) and never reaches vLLM: a failed save stores
+nothing, a failed load is a recompute.
 
 Tensor parallel: each rank holds ``num_kv_heads / tp`` heads and stores and fetches only
 those, as blocks of ``kv_head_group`` heads keyed per group (``client/head_groups.py``),
@@ -38,7 +44,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -71,7 +77,8 @@ from nopecache.integrations.vllm.metadata import (
 )
 from nopecache.integrations.vllm.pd import StoreAcks
 from nopecache.integrations.vllm.quality import BlendCheck, QualityWatch
-from nopecache.recompute.gate import GateVerdict
+from nopecache.kernels.rope_check import EngineRotation, RopeCheck, check_positions, check_rope
+from nopecache.recompute.gate import DEFAULT_THRESHOLDS, GateVerdict
 from nopecache.recompute.selective import run_selective
 
 __all__ = ["PER_REQUEST_COUNTS", "WorkerSide", "layer_index"]
@@ -150,6 +157,9 @@ class WorkerSide:
         self.quality: QualityWatch | None = None  # sampled blend checks (quality.py)
         self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
         self.acks = StoreAcks()  # a producer's stores until acknowledged (pd/acks.py)
+        # Why position-independent store and load are off (None: on); rope_check.py.
+        self.pi_refused: str | None = None
+        self.rope_check: RopeCheck | None = None
 
     # -- set-up -----------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
@@ -230,6 +240,59 @@ class WorkerSide:
             else:
                 self.quality = QualityWatch(self.blend_model, self.config.blend_check_share)
 
+    @property
+    def rotates(self) -> bool:
+        """Whether this worker stores (``save``: content keys too) or loads
+        (``pi_reuse`` not ``off``) position-independent blocks, so its RoPE is checked."""
+        return self.config.save or (self.config.load and self.config.pi_reuse != "off")
+
+    def check_rope(
+        self, rotations: Callable[[], Mapping[str, EngineRotation | None]], max_len: int
+    ) -> RopeCheck | None:
+        """Check the connector's RoPE spec against every layer's own rotation (rope_check.py);
+        a mismatch, or a check that cannot run, turns position-independent reuse off."""
+        try:
+            found = rotations()
+            ordered = dict(sorted(found.items(), key=lambda item: layer_index(item[0])))
+            if len(ordered) != self.model.num_layers:
+                raise UnsupportedLayoutError(
+                    f"{len(ordered)} attention layers found, the model has {self.model.num_layers}"
+                )
+            check = check_rope(
+                ordered,
+                self.model.rope,
+                positions=check_positions(max_len),
+                kv_heads=self.model.rank_kv_heads,
+                dtype=self.model.dtype,
+                bound=DEFAULT_THRESHOLDS.for_dtype(self.model.dtype).max_rope_error,
+                device=self.caches[0].device if self.caches else "cpu",
+            )
+        except Exception as err:  # a model the check cannot reach costs PI reuse, not the engine
+            log.exception("nopecache: the RoPE check failed to run")
+            self.refuse_position_independent(
+                f"the RoPE check failed to run: {type(err).__name__}: {err}"
+            )
+            return None
+        self.rope_check = check
+        if check.passed:
+            log.info("nopecache: %s", check.summary())
+            return check
+        log.warning("nopecache: %s; every figure:\n%s", check.summary(), check.report())
+        self.refuse_position_independent(f"{check.summary()}; first: {check.failures[0]}")
+        return check
+
+    def refuse_position_independent(self, reason: str) -> None:
+        """Store and load exact prefixes only (the RoPE check refused the spec); counted."""
+        self.pi_refused = reason
+        with self._lock:
+            self._report.rope_check_failed += 1
+        log.warning(
+            "nopecache: position-independent reuse off in this worker, exact prefixes only (%s)",
+            reason,
+        )
+        if self.config.blend and self.blend_unavailable is None:
+            self.refuse_blend("position-independent reuse is off (the RoPE check)")
+
     def refuse_blend(self, reason: str) -> None:
         """Run without the layer loop: blend claims load their exact part only."""
         self.blend_unavailable = reason
@@ -257,8 +320,10 @@ class WorkerSide:
         try:
             self._load_one(spec)
         except Exception:  # a bug here must cost a recompute, never the engine
-            log.exception("nopecache: loading %s failed", spec.req_id)
+            log.exception("nopecache: loading %s failed; vLLM recomputes it", spec.req_id)
             self._fail(spec, range(spec.start, spec.end))
+            with self._lock:
+                self._report.load_failures += 1
         seconds = time.perf_counter() - start
         with self._lock:
             self._report.load_seconds += seconds
@@ -427,7 +492,12 @@ class WorkerSide:
             self.quality.step_ended()
         if self.groups and self.layout is not None:
             for spec in plan.saves:
-                self._save_one(spec)
+                try:
+                    self._save_one(spec)
+                except Exception:  # a failed save is a skipped store, never a dead worker
+                    log.exception("nopecache: saving %s failed; not stored", spec.req_id)
+                    with self._lock:
+                        self._report.save_failures += 1
         for spec in plan.saves:
             if spec.ack:  # vLLM holds its blocks until reported: report even if not stored
                 self.acks.ensure(spec.req_id)
@@ -436,13 +506,8 @@ class WorkerSide:
     def _save_one(self, spec: SaveSpec) -> None:
         assert self.layout is not None
         n = len(spec.tokens)
-        rows = len(spec.block_ids) * self.model.block_size  # whole blocks, the last partial
-        shape = (self.model.num_layers, rows, self.model.rank_kv_heads, self.model.head_dim)
-        k = torch.empty(shape, dtype=self.model.dtype)
-        v = torch.empty(shape, dtype=self.model.dtype)
-        ids = torch.tensor(spec.block_ids, dtype=torch.int64)
-        for layer, cache in enumerate(self.caches):
-            self.layout.read_blocks_into(cache, ids, k[layer], v[layer])
+        # Whole blocks (the last one partial), gathered on the caches' device.
+        k, v = self.layout.blocks_to_host(self.caches, spec.block_ids)
         k, v = k[:, :n], v[:, :n]
         stored = True
         for group, client in self.groups:
@@ -451,28 +516,30 @@ class WorkerSide:
             else:  # one group of the rank's heads, as its own block
                 heads = slice(group.local_start, group.local_start + group.num_heads)
                 gk, gv = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
+            segments = self.config.segments(spec.tokens)
+            pi = self.pi_refused is None
             try:
                 if spec.ack:  # a producer's: the blocks are held until it is acknowledged
-                    self.acks.add(
-                        spec.req_id,
-                        client.submit_store(
-                            spec.tokens,
-                            (gk, gv),
-                            0,
-                            form="rope",
-                            segments=self.config.segments(spec.tokens),
-                            namespace=self.config.namespace,
-                            identity=spec.identity,
-                        ),
+                    future = client.submit_store(
+                        spec.tokens,
+                        (gk, gv),
+                        0,
+                        form="rope",
+                        segments=segments,
+                        namespace=self.config.namespace,
+                        position_independent=pi,
+                        identity=spec.identity,
                     )
+                    self.acks.add(spec.req_id, future)
                     continue
                 report = client.store(
                     spec.tokens,
                     (gk, gv),
                     0,
                     form="rope",
-                    segments=self.config.segments(spec.tokens),
+                    segments=segments,
                     namespace=self.config.namespace,
+                    position_independent=pi,
                     wait=False,
                     identity=spec.identity,
                 )

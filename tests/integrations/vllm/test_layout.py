@@ -139,6 +139,28 @@ def test_extra_config_defaults_and_values() -> None:
     )
 
 
+def test_url_namespace_is_honoured() -> None:
+    # Regression: the connector passed its own namespace default ("") on every call,
+    # which overrode the url's ?namespace= and keyed the engine into the shared one.
+    cfg = ConnectorConfig.from_extra_config({"url": URL + "?namespace=team-a"})
+    assert (cfg.namespace, cfg.client.namespace) == ("team-a", "team-a")
+    cfg = ConnectorConfig.from_extra_config(
+        {"url": URL + "?namespace=team-a", "namespace": "team-a"}
+    )
+    assert (cfg.namespace, cfg.client.namespace) == ("team-a", "team-a")
+    cfg = ConnectorConfig.from_extra_config({"url": URL, "namespace": "team-b"})
+    assert (cfg.namespace, cfg.client.namespace) == ("team-b", "team-b")
+
+
+def test_url_and_extra_namespaces_that_differ_are_refused() -> None:
+    with pytest.raises(ConnectorConfigError) as err:
+        ConnectorConfig.from_extra_config({"url": URL + "?namespace=team-a", "namespace": "team-b"})
+    assert str(err.value) == (
+        "kv_connector_extra_config['namespace']: 'team-b' differs from the url's "
+        "?namespace='team-a'; give one of them, or the same value in both"
+    )
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -8,6 +8,7 @@ already. Real server, the connector's halves without vLLM (as test_halves.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,17 +50,15 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[_KernelCalls]:
     yield calls
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.parametrize(
     ("layout", "device"),
-    [("flash", "cpu"), ("cpu", "cpu"), pytest.param("flash", "cuda", marks=CUDA)],
+    [("flash", "cpu"), ("cpu", "cpu"), pytest.param("flash", "cuda", marks=pytest.mark.gpu)],
 )
 def test_prefix_loads_land_through_the_kernel_past_vllms_own_blocks(
     cache_server: CacheServerProc, kernel: _KernelCalls, layout: str, device: str
 ) -> None:
-    # On CUDA (make gpu-check) the FlashAttention caches take the Triton kernel.
+    # On CUDA (make gpu-check) the FlashAttention caches take the Triton kernel, and A's
+    # save gathers from a CUDA cache into pinned host memory (layout.blocks_to_host).
     a = _Engine(cache_server, 1, layout=layout, device=device)
     b = _Engine(cache_server, 2, layout=layout, device=device)
     try:
@@ -121,6 +120,43 @@ def test_a_hit_straddling_the_engines_prefix_moves_only_its_slotted_rows(
             assert torch.allclose(kb[9, 1], ka[1, 1], atol=1e-5)
             kb[9, 1], vb[9, 1] = before[layer][0][9, 1], before[layer][1][9, 1]
             assert torch.equal(kb, before[layer][0]) and torch.equal(vb, before[layer][1])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_cache_on_another_device_never_fails_the_worker(
+    cache_server: CacheServerProc, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The caches on the meta device stand in for CUDA's on this CPU-only machine: any
+    # step that mixes them with host tensors fails here as it does on a GPU. Regression:
+    # the save gathered with index_select(cache, out=<host tensor>), which raised out of
+    # wait_for_save (on CUDA: the worker died at the first finished prefill).
+    a = _Engine(cache_server, 1)
+    b = _Engine(cache_server, 2, device="meta")
+    try:
+        a.step(_request("r1", PROMPT), [3, 0, 2, 1], 0)
+        with caplog.at_level(logging.ERROR, logger="vllm.nopecache.integrations.vllm.worker"):
+            second = b.step(_request("r2", PROMPT), [5, 6, 7, 8], 0)
+        assert second.claimed == 12
+        # The load could not place into meta pages: its blocks go back to vLLM, recomputed.
+        assert b.worker.take_errors() == {5, 6, 7}
+        report = b.worker.take_report()
+        assert report is not None
+        assert (report.load_errors, report.load_failures, report.failed_requests) == (
+            3,
+            1,
+            ["r2"],
+        )
+        assert (report.save_failures, report.saved_tokens) == (1, 0)
+        # The gather ran on the caches' device: what failed is the one copy out of it
+        # (meta holds no data), never a gather across devices.
+        (saved,) = [r for r in caplog.records if "saving r2 failed" in r.getMessage()]
+        assert saved.exc_info is not None
+        assert str(saved.exc_info[1]) == "Cannot copy out of meta tensor; no data!"
+        assert not any("cross-device" in r.getMessage() + str(r.exc_info) for r in caplog.records)
+        # Nothing of r2 was stored: A's blocks are the only ones under this prompt.
+        assert b.client.stats().stored_blocks == 0
     finally:
         a.close()
         b.close()

@@ -1,19 +1,23 @@
-"""The blend correctness gate refuses a mis-described RoPE in a real vLLM engine.
+"""A mis-described RoPE is refused in a real vLLM engine, before anything is reused.
 
 The connector's ``rope_override`` replaces the model config's RoPE parameters in the
 connector's description (the rotation every store and fetch applies); vLLM itself still
-runs SmolLM2's own RoPE (base 100000, no scaling). At start-up the worker's gate rotates
-the model's pre-RoPE K with the description and compares it with vLLM's rotary
-embedding, and blends the calibration prompts (``integrations/vllm/gate.py``):
+runs SmolLM2's own RoPE (base 100000, no scaling). At start-up every worker that stores
+or loads position-independent blocks rotates seeded pre-RoPE K with the description and
+compares it with each layer's own rotary embedding at four positions
+(``integrations/vllm/rope_check.py``); in blend mode the correctness gate then blends
+the calibration prompts (``integrations/vllm/gate.py``):
 
-  1. a base 10x too small: refused (RoPE error and answers both say so); the engine
-     then runs prefix mode only: a report placed before a system prompt that another
-     engine stored, which a blending engine claims up to the system prompt's end
-     (test_blend_engine), claims nothing, counts a ``blend_fallbacks``, and answers
-     exactly as before anything was stored (the same ids and logprobs).
-  2. a linear scaling of 2 the model does not use: refused on the RoPE error alone (its
-     answers on the short calibration prompts would pass).
-  3. SmolLM2 in bf16 with its own description: passes.
+  1. a base 10x too small: the RoPE check refuses it (every figure logged, counted as
+     ``rope_check_failed``) and the scheduler half, told through the start-up
+     handshake, looks up exact prefixes only; the gate never runs (there is nothing to
+     blend). A prefix-mode engine with the same description stores exact prefix keys
+     only. A report placed before a system prompt that engine stored, which a blending
+     engine claims up to the system prompt's end (test_blend_engine), claims nothing and
+     answers exactly as before anything was stored (the same ids and logprobs).
+  2. a linear scaling of 2 the model does not use: refused by the RoPE check too (its
+     answers on the short calibration prompts would pass the gate).
+  3. SmolLM2 in bf16 with its own description: both pass, within bf16's rounding.
 
 SmolLM2 with its own description passes: in fp32 (test_blend_engine's engine A) and in
 bf16, whose rounding of vLLM's own rotation the RoPE check allows (3).
@@ -21,6 +25,7 @@ bf16, whose rounding of vLLM's own rotation the RoPE check allows (3).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +83,41 @@ def _metrics(engine: Any) -> dict[str, float]:
     return {k.removeprefix("vllm:nopecache_"): v for k, v in engine.metrics().items()}
 
 
+_CHECK = re.compile(
+    r"RoPE check (passed|failed): 30 layers at positions \[0, 1, \d+, \d+\], "
+    r"largest error ([0-9.e+-]+) \(bound ([0-9.e+-]+)\)"
+)
+# One line per figure (vLLM's formatter may prefix each line of a multi-line record).
+_FIGURE = re.compile(
+    r"model\.layers\.\d+\.self_attn\.attn at position \d+: error [0-9.e+-]+ "
+    r"\(bound [0-9.e+-]+\)$",
+    re.M,
+)
+
+
+def _rope_check(engine: Any) -> tuple[bool, float, float, int]:
+    """The worker's logged RoPE check: passed, largest error, bound, figure lines."""
+    log = engine.log_path.read_text(errors="replace")
+    found = set(_CHECK.findall(log))  # the refusal repeats the summary
+    assert len(found) == 1, found  # one worker, one check
+    ((outcome, error, bound),) = found
+    return outcome == "passed", float(error), float(bound), len(_FIGURE.findall(log))
+
+
 def test_wrong_rope_base_is_refused_and_the_engine_answers_as_prefix_mode(
     engines: EngineFactory, server: CacheServerProc
 ) -> None:
     # save off: the report prompt's own blocks never become an exact prefix for its
     # second run, which must run exactly as its first.
     engine = engines(dtype="float32", connector=_connector(server, WRONG_BASE, save=False))
-    verdict = gate_verdict(engine.log_path)
-    print(f"wrong base: {verdict.line}")
-    assert not verdict.passed
-    assert verdict.rope_error > 0.1  # a right description is at fp32 rounding (~1e-7)
-    assert verdict.policy == "first_k(0.15)" and verdict.prompts == 3
+    passed, error, bound, figures = _rope_check(engine)
+    assert not passed
+    assert error > 0.1 and bound == 1e-3  # a right description is at fp32 rounding (~1e-7)
+    assert figures == 30 * 4  # every layer at every position, logged
     log = engine.log_path.read_text(errors="replace")
-    assert "blend mode refused by a worker, prefix mode only" in log  # the scheduler half
+    assert "blend correctness gate" not in log  # nothing to blend: the gate never ran
+    # The scheduler half, through the start-up handshake.
+    assert "position-independent reuse refused by a worker, exact prefixes only" in log
 
     report = list(
         engine.chat(
@@ -121,6 +148,7 @@ def test_wrong_rope_base_is_refused_and_the_engine_answers_as_prefix_mode(
     assert system_end > 2 * BLOCK
     entries = _entries(server)
     storer.generate(chat, max_tokens=2)
+    assert not _rope_check(storer)[0]  # the same description: exact prefix keys only
     # Each whole block is one exact entry at least (the chunks come on top): wait for
     # the store queue to land them, an event (seconds on an idle machine).
     wait_stored(server.address, at_least=entries + len(chat) // BLOCK)
@@ -129,25 +157,24 @@ def test_wrong_rope_base_is_refused_and_the_engine_answers_as_prefix_mode(
     before = _metrics(engine)
     out = engine.generate_many([report], max_tokens=8, logprobs=5)[0]
     after = _metrics(engine)
-    # A blend engine claims up to the system prompt's end here; this one claims nothing
-    # (no exact prefix) and counts the blend claim it did not make.
+    # A blend engine claims up to the system prompt's end here; this one claims nothing:
+    # no exact prefix, and no position-independent block was stored or looked up.
     assert out["cached"] == 0
     assert after.get("lookups", 0.0) - before.get("lookups", 0.0) == 1
-    assert after.get("blend_fallbacks", 0.0) - before.get("blend_fallbacks", 0.0) == 1
+    assert after.get("claimed_pi_tokens", 0.0) == 0.0
     assert after.get("blend_claimed_tokens", 0.0) == 0.0
+    assert after.get("rope_check_failed", 0.0) == 1.0  # counted once, by its one worker
     assert out["ids"] == base["ids"]
     assert out["logprobs"] == base["logprobs"]
     engine.stop()
 
 
-def test_wrong_rope_scaling_is_refused_on_the_rope_check(
+def test_wrong_rope_scaling_is_refused_by_the_rope_check(
     engines: EngineFactory, server: CacheServerProc
 ) -> None:
     engine = engines(dtype="float32", connector=_connector(server, WRONG_SCALING))
-    verdict = gate_verdict(engine.log_path)
-    print(f"wrong scaling: {verdict.line}")
-    assert not verdict.passed
-    assert verdict.rope_error > 0.1
+    passed, error, _, figures = _rope_check(engine)
+    assert not passed and error > 0.1 and figures == 30 * 4
     engine.stop()
 
 
@@ -164,4 +191,6 @@ def test_smollm2_in_bf16_passes_within_its_own_rounding(
     print(f"bf16: {verdict.line}")
     assert verdict.passed
     assert 0.0 < verdict.rope_error <= 4 * 2**-7
+    passed, error, bound, figures = _rope_check(engine)
+    assert passed and 0.0 < error <= bound == 4 * 2**-7 and figures == 0
     engine.stop()
