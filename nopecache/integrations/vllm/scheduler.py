@@ -246,6 +246,7 @@ class SchedulerSide:
         self._logged_reasons: set[str] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed: never reclaimed
         self._waiting: dict[str, int] = {}  # request -> tokens its hand-off named (in flight)
+        self._handed: set[str] = set()  # requests whose hand-off was waited on: once only
         self._handing: dict[str, HandOff | None] = {}  # producer: saved requests' hand-offs
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
@@ -349,11 +350,16 @@ class SchedulerSide:
                 identity=identity,
             )
 
-        handoff = self._handoff(request, tokens, identity, limit)
+        req_id = compat.request_id(request)
+        # Looked up again (preempted, or its load failed): the blocks had their deadline.
+        handoff = (
+            None if req_id in self._handed else self._handoff(request, tokens, identity, limit)
+        )
         if handoff is None:
             return client.submit(lookup())
         self.totals.pd_handoffs += 1
-        self._waiting[compat.request_id(request)] = handoff.tokens
+        self._handed.add(req_id)
+        self._waiting[req_id] = handoff.tokens
         deadline = time.monotonic() + self.config.handoff_deadline_ms / 1000
         return client.submit(wait_for_prefix(lookup, handoff.tokens, deadline))
 
@@ -640,6 +646,7 @@ class SchedulerSide:
             self._identities.pop(req_id, None)
             self._failed_loads.discard(req_id)
             self._waiting.pop(req_id, None)
+            self._handed.discard(req_id)
             self._handing.pop(req_id, None)
 
     def take_counters(self) -> dict[str, int]:

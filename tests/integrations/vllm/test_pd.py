@@ -185,6 +185,10 @@ def test_missing_at_the_deadline_is_recomputed_counted_and_logged_once(
                 assert consumer.matched(_request(f"d{i}", prompt, params), 0) == 0
             logs = [r for r in caplog.records if "handoff_deadline_ms" in r.getMessage()]
         assert len(logs) == 1  # logged once, counted every time
+        # Asked again (vLLM preempted it): a plain lookup, the deadline is not waited twice.
+        consumer.scheduler._claims.clear()
+        assert consumer.matched(_request("d1", [p + 2100 for p in PROMPT], params), 0) == 0
+        assert consumer.scheduler.totals.pd_handoffs == 2
         totals = consumer.scheduler.totals
         assert (totals.pd_handoffs, totals.pd_deadline_misses) == (2, 2)
         assert totals.pd_missing_tokens == 24
