@@ -28,8 +28,11 @@ Bounded like the gRPC Get (inflight.py): each connection holds a lease of the se
 in-flight budget under the same owner a gRPC call of its client has (the tenant with
 auth, else the connection), and reserves the block it sends until it is sent (a PUT:
 each block as its head arrives, until the PUT is stored); a full budget that stays full
-for ``stream_idle_timeout_s`` answers an ERROR naming it, and a reader that takes no
-bytes (a PUT sender that sends none) for that long has its connection closed.
+for ``stream_idle_timeout_s`` answers an ERROR naming it. While it holds budget the
+connection keeps the minimum rate (progress.py: ``min_stream_rate`` over
+``min_rate_window_s``, every byte counted: bytes received, and for sends the bytes the
+peer acknowledged, not the send buffer's bursts); a peer below it is sent an ERROR
+naming the rate if its socket takes one, and closed.
 
 Concurrency: everything runs on the server's event loop (sockets non-blocking, loop
 ``sock_*`` calls); the ticket table and connection set change only between awaits.
@@ -264,9 +267,10 @@ class BulkServer:
                 if not lease.stalled:
                     raise
                 task.uncancel()
-                cut_by = lease.idle_cut() if put else lease.slow_reader_cut("GET")
+                cut_by = lease.idle_cut("PUT") if put else lease.slow_reader_cut("GET")
                 self._metrics.rejected("Bulk", cut_by.reason)
                 log.info("bulk connection of %s cut: %s", tenant.name, cut_by.message)
+                _try_send_error(conn, cut_by.message)
                 return
             finally:
                 lease.release()
@@ -340,23 +344,25 @@ class BulkServer:
     async def _recv_block(
         loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, blob: memoryview
     ) -> int | None:
-        """Fill ``blob`` with a PUT block (an open block: its room may be reclaimed while
-        the sender stalls); the xxh3-64 of its stored payload, hashed ``HASH_PIECE`` bytes
+        """Fill ``blob`` with a PUT block (an open block: its bound runs, progress.py);
+        the xxh3-64 of its stored payload, hashed ``HASH_PIECE`` bytes
         at a time as they land, still in the CPU cache (None when the bytes do not start
         like a block: verification says what is wrong)."""
         n = blob.nbytes
         head = min(n, PREFIX.size)
-        await BulkServer._recv_into(loop, conn, lease, blob[:head], reclaimable=True)
+        await BulkServer._recv_into(loop, conn, lease, blob[:head])
         start = payload_start(blob[:head], n)
         if start is None:
-            await BulkServer._recv_into(loop, conn, lease, blob[head:], reclaimable=True)
+            await BulkServer._recv_into(loop, conn, lease, blob[head:])
+            lease.end_block()
             return None
-        await BulkServer._recv_into(loop, conn, lease, blob[head:start], reclaimable=True)
+        await BulkServer._recv_into(loop, conn, lease, blob[head:start])
         digest = xxhash.xxh3_64()
         for at in range(start, n, HASH_PIECE):
             piece = blob[at : min(n, at + HASH_PIECE)]
-            await BulkServer._recv_into(loop, conn, lease, piece, reclaimable=True)
+            await BulkServer._recv_into(loop, conn, lease, piece)
             digest.update(piece)
+        lease.end_block()
         return digest.intdigest()
 
     @staticmethod
@@ -365,18 +371,18 @@ class BulkServer:
         conn: socket.socket,
         lease: Lease,
         view: memoryview,
-        *,
-        reclaimable: bool = False,
     ) -> None:
-        """Fill ``view`` from the peer, watched by the lease's idle timer (a sender that
-        sends nothing for ``stream_idle_timeout_s`` gets the task cancelled)."""
+        """Fill ``view`` from the peer, watched by the lease (a sender below the minimum
+        rate while the connection holds budget, or silent for ``stream_idle_timeout_s``
+        while it holds none, gets the task cancelled)."""
         got, n = 0, view.nbytes
         while got < n:
-            lease.begin_wait(reclaimable=reclaimable)
+            lease.begin_wait()
+            k = 0
             try:
                 k = await loop.sock_recv_into(conn, view[got:])
             finally:
-                lease.end_wait()
+                lease.end_wait(k)
             if not k:
                 raise EOFError(f"connection closed after {got} of {n} bytes")
             got += k
@@ -385,9 +391,9 @@ class BulkServer:
     async def _send(
         loop: asyncio.AbstractEventLoop, conn: socket.socket, lease: Lease, data: bytes | memoryview
     ) -> None:
-        """Send ``data``, watched by the lease's idle timer from the last byte the reader
-        took (a reader that takes nothing for ``stream_idle_timeout_s`` gets the task
-        cancelled; a slow one that keeps reading is not)."""
+        """Send ``data``, the reader's progress measured by the bytes it acknowledges (a
+        reader below the minimum rate gets the task cancelled; a slow one above it that
+        keeps reading is not, however the send buffer drains)."""
         await send_progressing(loop, conn, data, lease)
 
     async def close(self) -> None:
@@ -429,6 +435,14 @@ async def _recv_exact(
             raise EOFError(f"connection closed after {got} of {n} bytes")
         got += k
     return bytes(buf)
+
+
+def _try_send_error(conn: socket.socket, message: str) -> None:
+    """An ERROR for a peer that is being cut, if its socket takes it now (never waits:
+    the peer may be one that reads nothing)."""
+    data = message.encode()
+    with contextlib.suppress(OSError):
+        conn.send(ENTRY.pack(ERROR_CODE, len(data)) + data)
 
 
 async def _send_error(loop: asyncio.AbstractEventLoop, conn: socket.socket, message: str) -> None:

@@ -27,8 +27,11 @@ Concurrency: the server's event loop only.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import socket
+import struct
+import termios
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +42,18 @@ from nopecache.cache_server.inflight import Lease
 from nopecache.cache_server.tenants import Tenant
 from nopecache.cache_server.transfer_get import SendBuffer
 
-__all__ = ["BufferPool", "BulkAdmission", "ReceiveBuffers", "Redeemed", "send_progressing"]
+__all__ = [
+    "ACK_POLL_S",
+    "BufferPool",
+    "BulkAdmission",
+    "ReceiveBuffers",
+    "Redeemed",
+    "send_progressing",
+    "unacked_bytes",
+]
+
+# How often a send blocked on a full buffer reads what the reader acknowledged.
+ACK_POLL_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,39 +245,79 @@ class ReceiveBuffers:
 async def send_progressing(
     loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes | memoryview, lease: Lease
 ) -> None:
-    """Send all of ``data``, the lease's idle timer restarted at every byte the kernel
-    takes: a reader that keeps reading, however slowly, is not cut mid-block; one that
-    takes nothing for ``stream_idle_timeout_s`` is (the lease's watch cancels the task)."""
+    """Send all of ``data``, the reader's progress reported to the lease as the bytes it
+    acknowledges (``unacked_bytes`` falling), polled every ``ACK_POLL_S`` while the send
+    buffer is full: a reader that keeps reading at or above the minimum rate is not cut
+    mid-block, however the buffer drains (the kernel wakes a writer only once a third of
+    it is free, seconds apart for a slow reader); one that stops reading is."""
     view = memoryview(data).cast("B")
     sent, n = 0, view.nbytes
+    unacked = unacked_bytes(conn)  # None: not Linux; bytes the kernel takes count instead
     while sent < n:
-        try:
-            k = conn.send(view[sent:])
-        except (BlockingIOError, InterruptedError):
-            k = 0
+        k = _send_some(conn, view[sent:])
         if k:
             sent += k
+            if unacked is not None:
+                unacked += k
             continue
         lease.begin_wait()
+        taken = 0
         try:
-            await _writable(loop, conn)
+            while True:
+                writable = await _writable(loop, conn, ACK_POLL_S)
+                if unacked is not None:
+                    now_unacked = unacked_bytes(conn)
+                    if now_unacked is not None:
+                        lease.progress(unacked - now_unacked)
+                        unacked = now_unacked
+                if not writable:
+                    continue
+                k = _send_some(conn, view[sent:])
+                if k:
+                    sent += k
+                    if unacked is not None:
+                        unacked += k
+                    else:
+                        taken = k
+                    break
         finally:
-            lease.end_wait()
+            lease.end_wait(taken)
 
 
-async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-    """Wait until ``conn`` can take more bytes."""
-    ready: asyncio.Future[None] = loop.create_future()
+def unacked_bytes(conn: socket.socket) -> int | None:
+    """Bytes of ``conn``'s send queue its peer has not acknowledged (Linux ``SIOCOUTQ``),
+    or None where the kernel does not say."""
+    try:
+        raw = fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, AttributeError):
+        return None
+    value: int = struct.unpack("i", raw)[0]
+    return value
+
+
+def _send_some(conn: socket.socket, view: memoryview) -> int:
+    """What of ``view`` the kernel takes now (0: its send buffer is full)."""
+    try:
+        return conn.send(view)
+    except (BlockingIOError, InterruptedError):
+        return 0
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket, most_s: float) -> bool:
+    """Wait until ``conn`` can take more bytes (True), or ``most_s`` (False)."""
+    ready: asyncio.Future[bool] = loop.create_future()
     fd = conn.fileno()
 
-    def wake() -> None:
+    def wake(value: bool) -> None:
         if not ready.done():
-            ready.set_result(None)
+            ready.set_result(value)
 
-    loop.add_writer(fd, wake)
+    loop.add_writer(fd, wake, True)
+    timer = loop.call_later(most_s, wake, False)
     try:
-        await ready
+        return await ready
     finally:
+        timer.cancel()
         loop.remove_writer(fd)
 
 

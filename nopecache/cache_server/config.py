@@ -51,6 +51,9 @@ FRAME_OVERHEAD_BYTES = 4096
 # gRPC lengths are signed 32-bit.
 _GRPC_MAX_MESSAGE = (1 << 31) - 1
 _MIN_MESSAGE = 64 * 1024
+# min_stream_rate: a slower floor cuts nobody in time, a faster one cuts real links.
+_MIN_RATE = 1024
+_MAX_RATE = 1024**3
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -63,6 +66,7 @@ class ConfigError(ValueError):
 # Kinds of option value; each converts a raw value (str from flags/env, native from TOML).
 _STR, _INT, _FLOAT, _BOOL, _SIZE, _URLS = "str", "int", "float", "bool", "size", "urls"
 _FAULTS = "faults"
+_RATE = "rate"
 
 
 def _opt(kind: str, help_text: str, metavar: str | None = None) -> dict[str, str | None]:
@@ -305,6 +309,25 @@ class ServerConfig:
             "SECONDS",
         ),
     )
+    min_stream_rate: int = field(
+        default=64 * 1024,
+        metadata=_opt(
+            _RATE,
+            "bytes per second a stream holding in-flight budget (a Put, a Get being sent) "
+            "must move while the server waits for its peer, over each min_rate_window_s; "
+            "a slower one is cut and its budget returned (64KiB/s, 1MiB/s or bytes)",
+            "RATE",
+        ),
+    )
+    min_rate_window_s: float = field(
+        default=5.0,
+        metadata=_opt(
+            _FLOAT,
+            "the window min_stream_rate is measured over, and the grace a block or frame "
+            "gets beyond its size at that rate",
+            "SECONDS",
+        ),
+    )
     max_connections: int = field(
         default=1024,
         metadata=_opt(
@@ -457,6 +480,15 @@ class ServerConfig:
             raise ConfigError(
                 f"stream_idle_timeout_s: must be > 0, got {self.stream_idle_timeout_s}"
             )
+        if not _MIN_RATE <= self.min_stream_rate <= _MAX_RATE:
+            raise ConfigError(
+                f"min_stream_rate: must be in [{format_size(_MIN_RATE)}/s, "
+                f"{format_size(_MAX_RATE)}/s], got {self.min_stream_rate} bytes/s"
+            )
+        if not 0.1 <= self.min_rate_window_s <= 3600:
+            raise ConfigError(
+                f"min_rate_window_s: must be in [0.1, 3600] seconds, got {self.min_rate_window_s}"
+            )
         if self.max_connections < 1:
             raise ConfigError(f"max_connections: must be >= 1, got {self.max_connections}")
         if self.max_concurrent_rpcs < 1:
@@ -553,6 +585,8 @@ def _convert(kind: str, raw: Any, where: str) -> Any:
             return parse_fault_spec(raw)
         if kind == _SIZE:
             return parse_size(raw, field=where)
+        if kind == _RATE:
+            return _parse_rate(raw, where)
         if kind == _URLS:
             items: Iterable[Any] = raw.split() if isinstance(raw, str) else raw
             urls = tuple(items)
@@ -584,6 +618,13 @@ def _convert(kind: str, raw: Any, where: str) -> Any:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"{where}: cannot parse {raw!r}: {e}") from e
+
+
+def _parse_rate(raw: Any, where: str) -> int:
+    """Bytes per second from ``64KiB/s``, ``64KiB`` or a byte count."""
+    if isinstance(raw, str) and raw.strip().lower().endswith("/s"):
+        raw = raw.strip()[:-2]
+    return parse_size(raw, field=where)
 
 
 def _kinds() -> dict[str, str]:
@@ -638,6 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind = f.metadata["kind"]
         default = f.default if f.default is not MISSING else None
         shown = format_size(default) if kind == _SIZE and isinstance(default, int) else default
+        if kind == _RATE and isinstance(default, int):
+            shown = f"{format_size(default)}/s"
         if kind == _URLS and isinstance(default, tuple):
             shown = " ".join(default)
         if kind == _FAULTS:

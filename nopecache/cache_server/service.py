@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import traceback
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import NoReturn
 
@@ -76,6 +77,7 @@ from nopecache.cache_server.faults import FaultInjector
 from nopecache.cache_server.inflight import InflightBudget, Lease
 from nopecache.cache_server.metrics import ServerMetrics
 from nopecache.cache_server.pins import PinTable
+from nopecache.cache_server.progress import ProgressRule
 from nopecache.cache_server.refusal import Refusal, bad_request
 from nopecache.cache_server.removals import RemovalFeed
 from nopecache.cache_server.shm import ShmSessions
@@ -83,7 +85,7 @@ from nopecache.cache_server.store import TieredStore
 from nopecache.cache_server.tenants import ANONYMOUS, QuotaLedger, Tenant, own_stats
 from nopecache.cache_server.tiers import redact_url
 from nopecache.cache_server.transfer_get import GetRules
-from nopecache.cache_server.transfer_put import FRAME_WORDING, PutRules, bad_framing
+from nopecache.cache_server.transfer_put import FRAME_WORDING, PutIntake, PutRules, bad_framing
 from nopecache.cache_server.verify import BlockVerifier
 from nopecache.cache_server.zero_copy import NONCE_TTL_S, ZeroCopy
 from nopecache.proto import cache_pb2 as pb
@@ -145,6 +147,7 @@ class KVCacheService:
             config.max_inflight_bytes,
             config.max_inflight_bytes_per_client,
             config.stream_idle_timeout_s,
+            ProgressRule(config.min_stream_rate, config.min_rate_window_s),
         )
         # Same-host fast path: client segments attached with AttachShm (shm.py).
         self.shm = shm if shm is not None else ShmSessions()
@@ -241,22 +244,19 @@ class KVCacheService:
         with self._metrics.latency["Put"].time():
             tenant = self._resolve(context).tenant
             lease = self._lease(context, tenant)
+            intake: PutIntake | None = None
             try:
                 intake = self.puts.intake(tenant, lease, FRAME_WORDING)
-                most = self._config.max_message_bytes
-
-                def credit() -> int:  # a frame of an open block comes on its reservation
-                    return 0 if intake.partial is not None else most
-
-                frames = lease.paced(request_iterator, credit, "PutFrame: the next frame")
-                async for raw in frames:
-                    try:
-                        key, size, data = decode_put_frame(raw)
-                    except WireError as e:
-                        raise bad_framing(str(e)) from e
-                    await intake.frame(key, size, data)
-                intake.end_of_frames()
+                await self._receive(request_iterator, intake, lease)
             except Refusal as r:
+                # Whatever the stream holds is dropped before its room is given back
+                # (close), not when the collector finds it: a cut stream's frames are
+                # referenced from the refusal's traceback, and streams waiting for the
+                # room would otherwise read theirs first (issue 36, finding 4).
+                traceback.clear_frames(r.__traceback__)
+                if intake is not None:
+                    intake.drop()
+                lease.close()
                 await self._abort(context, "Put", r)
             # grpc.aio ends the request iterator alike for a clean close, a cancel, an
             # expired deadline and a message over the size limit (the call is then over
@@ -265,6 +265,31 @@ class KVCacheService:
             # stored.
             await context.send_initial_metadata(())
             return put_reply(await intake.finish())
+
+    async def _receive(
+        self, request_iterator: AsyncIterator[bytes], intake: PutIntake, lease: Lease
+    ) -> None:
+        """Read a Put stream's frames into ``intake``, each paced by ``lease``; raises
+        Refusal."""
+        most = self._config.max_message_bytes
+
+        def credit() -> int:  # a frame of an open block comes on its reservation
+            return 0 if intake.partial is not None else most
+
+        def expect() -> int:  # the largest frame the client may be sending now
+            partial = intake.partial
+            if partial is None:
+                return most
+            return min(most, partial.total_size - partial.filled)
+
+        frames = lease.paced(request_iterator, credit, "PutFrame: the next frame", expect)
+        async for raw in frames:
+            try:
+                key, size, data = decode_put_frame(raw)
+            except WireError as e:
+                raise bad_framing(str(e)) from e
+            await intake.frame(key, size, data)
+        intake.end_of_frames()
 
     async def Get(
         self, request: pb.GetRequest | MalformedRequest, context: grpc.aio.ServicerContext
@@ -279,9 +304,11 @@ class KVCacheService:
         lease.close_on_stall(frames)
         try:
             async for frame in frames:
-                lease.begin_wait()
+                # gRPC shows no progress inside a frame: the reader has the frame's size at
+                # the minimum rate to take it (progress.py).
+                lease.begin_wait(len(frame))
                 await context.write(frame)
-                lease.end_wait()
+                lease.end_wait(len(frame))
                 if lease.stalled:
                     break
         except Refusal as cut:

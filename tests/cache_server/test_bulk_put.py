@@ -145,12 +145,21 @@ async def test_a_bulk_put_that_stops_sending_is_cut_and_stores_nothing() -> None
             head = encode_put(1) + BLOCK.pack(len(blob), key)
             await asyncio.to_thread(sock.sendall, head + blob[: len(blob) // 2])
             await wait_until(lambda: budget.used_bytes == len(blob))  # reserved while it arrives
-            await wait_until(lambda: budget.used_bytes == 0)  # cut after the idle timeout
+            # Holding its block, it owes the minimum rate: silent for the window, it is cut.
+            # The window is the default 5 s; 30 s leaves a loaded machine room.
+            await wait_until(lambda: budget.used_bytes == 0, timeout_s=30)
+            code, body = await asyncio.to_thread(read_reply, sock)
             closed = await asyncio.to_thread(recv_exact, sock, 1)
         lookup = await h.stub.Lookup(pb.LookupRequest(keys=key))
         cut = h.running.metrics.registry.get_sample_value(
-            "nopecache_requests_rejected_total", {"method": "Bulk", "reason": "stream_idle"}
+            "nopecache_requests_rejected_total", {"method": "Bulk", "reason": "stream_too_slow"}
         )
+    assert (code, body.decode()) == (
+        ERROR_CODE,
+        f"PUT: the client sent nothing for {BOUNDED.min_rate_window_s:g} s (min_rate_window_s), "
+        f"below 64KiB/s (min_stream_rate), holding {len(blob)} bytes of the in-flight "
+        "budget: the stream is cut and nothing of it is stored",
+    )
     assert closed == b"" and lookup.tiers == b"\x00" and cut == 1.0
 
 

@@ -35,6 +35,10 @@ CONFIG = replace(
     max_inflight_bytes=4 * MiB,
     max_inflight_bytes_per_client=2 * MiB,
     stream_idle_timeout_s=0.5,
+    # A stream holding budget owes 256 KiB/s over each 1 s of waiting for its peer; a
+    # frame of 64 KiB may take 0.25 s + 1 s.
+    min_stream_rate=256 * 1024,
+    min_rate_window_s=1.0,
 )
 # About 1 MiB each: 17 frames of 64 KiB.
 BIG = 1_000_000
@@ -64,9 +68,13 @@ async def test_a_put_that_stops_sending_is_cut_and_stores_nothing() -> None:
             await asyncio.wait_for(call, 5.0)
         release.set()
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The stream holds its block: the rate rule cuts it (the idle timeout is for
+        # streams that hold nothing).
         assert err.value.details() == (
-            "PutFrame: no frame for 0.5 s (stream_idle_timeout_s): the stream is cut and "
-            "nothing of it is stored"
+            "PutFrame: the client sent nothing for longer than its frame takes at 256KiB/s "
+            "(min_stream_rate) plus 1 s (min_rate_window_s), holding "
+            f"{len(blob)} bytes of the in-flight budget: the stream is cut and nothing of "
+            "it is stored"
         )
         budget = h.running.service.inflight
         await wait_until(lambda: budget.used_bytes == 0)
@@ -82,6 +90,7 @@ async def test_a_get_whose_reader_stops_reading_is_cut_and_releases_its_window()
         max_request_bytes=4 * MiB,
         max_inflight_bytes=16 * MiB,
         max_inflight_bytes_per_client=8 * MiB,
+        min_stream_rate=16 * MiB,  # a 4 MiB frame may take 0.25 s + 1 s
     )
     async with serving(config) as h:
         # 40 MiB: more than the client's transport buffers take in unread.
@@ -101,10 +110,15 @@ async def test_a_get_whose_reader_stops_reading_is_cut_and_releases_its_window()
             while await call.read() is not EOF:
                 pass
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert err.value.details() == (
-            "GetFrame: the client took no frame for 0.5 s (stream_idle_timeout_s): the "
-            "stream is cut"
+        head = (
+            "GetFrame: the client took nothing for longer than its frame takes at 16MiB/s "
+            "(min_stream_rate) plus 1 s (min_rate_window_s), holding "
         )
+        tail = " bytes of the in-flight budget: the stream is cut"
+        details = err.value.details() or ""
+        assert details.startswith(head) and details.endswith(tail), details
+        held = int(details[len(head) : -len(tail)])  # the window it was sending: whole blocks
+        assert held > 0 and held % len(blocks[0][1]) == 0
 
 
 @pytest.mark.asyncio

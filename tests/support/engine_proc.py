@@ -5,12 +5,21 @@ builds ``vllm.LLM`` from the config and answers one JSON command per line on std
 one JSON line on a private pipe (vLLM's own logs go to a log file). Commands:
 
     {"op": "chat", "messages": [...]}            -> {"ids": [...]}  (chat template applied)
-    {"op": "generate", "prompts": [[ids]], "max_tokens": n, "prompt_logprobs": k | null,
-     "logprobs": k | null, "skip_reading_prefix_cache": bool | null}
-        -> {"outputs": [{"ids", "text", "cached", "ttft", "prompt_logprobs", "logprobs"}],
+    {"op": "generate", "prompts": [[ids] | "text"], "max_tokens": n, "prompt_logprobs": k | null,
+     "logprobs": k | null, "skip_reading_prefix_cache": bool | null,
+     "identities": [{"lora": path | null, "cache_salt": s | null, "image_seed": n | null,
+                     "image_size": [w, h]}] | null}
+        -> {"outputs": [{"ids", "text", "cached", "ttft", "prompt_logprobs", "logprobs",
+                         "prompt_ids"}],
             "seconds": s}   (ttft: vLLM's own time to first token of the request, seconds)
     {"op": "metrics"}                            -> {"vllm:...": value}  (counters summed;
                                                     a histogram as "<name>:count", ":sum")
+
+``identities`` (one per prompt, see :class:`Identity`) gives each request the inputs
+besides its tokens that vLLM folds into its block hashes: a LoRA adapter (a PEFT folder,
+named by its folder's name, one ``LoRARequest`` id per folder for the engine's life), a ``cache_salt``, and an image
+(seeded noise built by :func:`seeded_image`, sent as ``multi_modal_data``). A text prompt
+(a string) lets the model's processor expand its image placeholder.
 
 CPU settings every engine shares (so every run does the same arithmetic): one OpenMP
 thread bound to one core (``VLLM_CPU_OMP_THREADS_BIND=<core>``: any KV connector reserves
@@ -72,6 +81,31 @@ class EngineConfig:
     env: dict[str, str] = field(default_factory=dict)
     cpu: int | None = None  # the core its OpenMP thread binds to; None: round robin
     tensor_parallel: int = 1  # tensor_parallel_size: one worker process per rank
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a request carries besides its tokens: adapter, cache salt, image (None: none)."""
+
+    lora: str | None = None  # a PEFT adapter folder (tests/support/lora.py writes them)
+    cache_salt: str | None = None
+    image_seed: int | None = None  # seeded noise image of ``image_size`` pixels
+    image_size: tuple[int, int] = (56, 56)
+
+    def label(self) -> str:
+        """A short name for messages: ``lora=a salt=s1 image=3``."""
+        lora = None if self.lora is None else Path(self.lora).name
+        return f"lora={lora} salt={self.cache_salt} image={self.image_seed}"
+
+
+def seeded_image(seed: int, size: tuple[int, int]) -> Any:
+    """An RGB PIL image of seeded uniform noise (same seed, same pixels)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels, mode="RGB")
 
 
 EngineFactory = Callable[..., "EngineProc"]
@@ -196,6 +230,7 @@ class EngineProc:
         max_tokens: int = 16,
         prompt_logprobs: int | None = None,
         skip_reading_prefix_cache: bool | None = None,
+        identity: Identity | None = None,
     ) -> dict[str, Any]:
         """Greedy generation of one prompt: ids, text, cached tokens, seconds (and logprobs).
 
@@ -210,16 +245,30 @@ class EngineProc:
             max_tokens=max_tokens,
             prompt_logprobs=prompt_logprobs,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
+            identities=None if identity is None else [asdict(identity)],
         )
         out: dict[str, Any] = answer["outputs"][0]
         out["seconds"] = answer["seconds"]
         return out
 
     def generate_many(
-        self, prompts: list[list[int]], max_tokens: int = 1, logprobs: int | None = None
+        self,
+        prompts: list[list[int]] | list[str] | list[list[int] | str],
+        max_tokens: int = 1,
+        logprobs: int | None = None,
+        identities: list[Identity] | None = None,
     ) -> list[dict[str, Any]]:
-        """Greedy generation of a batch of prompts (one ``LLM.generate`` call)."""
-        answer = self.call("generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs)
+        """Greedy generation of a batch of prompts (one ``LLM.generate`` call), each with
+        its own :class:`Identity` when ``identities`` is given (one per prompt)."""
+        if identities is not None:
+            assert len(identities) == len(prompts), "one identity per prompt"
+        answer = self.call(
+            "generate",
+            prompts=prompts,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            identities=None if identities is None else [asdict(i) for i in identities],
+        )
         outputs: list[dict[str, Any]] = answer["outputs"]
         return outputs
 
@@ -327,8 +376,42 @@ def _logprobs(entries: Any, cached: int = -1) -> list[dict[str, float] | None] |
     ]
 
 
+_lora_ids: dict[str, int] = {}  # adapter folder -> its LoRARequest id (stable per engine)
+
+
+def _prompts(command: dict[str, Any]) -> tuple[list[Any], list[Any] | None]:
+    """vLLM prompts and LoRA requests (None: no request has one) for a generate command."""
+    from vllm import TextPrompt, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    identities = command.get("identities") or [None] * len(command["prompts"])
+    prompts: list[Any] = []
+    loras: list[Any] = []
+    for prompt, ident in zip(command["prompts"], identities, strict=True):
+        ident = ident or {}
+        fields: dict[str, Any] = {}
+        if ident.get("cache_salt") is not None:
+            fields["cache_salt"] = ident["cache_salt"]
+        if ident.get("image_seed") is not None:
+            size = tuple(ident["image_size"])
+            fields["multi_modal_data"] = {"image": seeded_image(ident["image_seed"], size)}
+        if isinstance(prompt, str):
+            prompts.append(TextPrompt(prompt=prompt, **fields))  # type: ignore[typeddict-item,unused-ignore]
+        else:
+            prompts.append(TokensPrompt(prompt_token_ids=prompt, **fields))  # type: ignore[typeddict-item,unused-ignore]
+        path = ident.get("lora")
+        if path is None:
+            loras.append(None)
+        else:
+            # The name is the folder's: vLLM keys blocks on it, so it must not depend on the
+            # order an engine first saw its adapters in (the id is only engine-local).
+            lora_id = _lora_ids.setdefault(path, len(_lora_ids) + 1)
+            loras.append(LoRARequest(Path(path).name, lora_id, path))
+    return prompts, (loras if any(x is not None for x in loras) else None)
+
+
 def _serve(llm: Any, command: dict[str, Any]) -> Any:
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import SamplingParams
 
     op = command["op"]
     if op == "chat":
@@ -348,9 +431,9 @@ def _serve(llm: Any, command: dict[str, Any]) -> Any:
             # with whatever memory held, ids included, which the detokenizer chokes on.
             detokenize=command.get("skip_reading_prefix_cache") is not False,
         )
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in command["prompts"]]
+        prompts, loras = _prompts(command)
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         seconds = time.perf_counter() - start
         return {
             "seconds": seconds,
@@ -362,6 +445,7 @@ def _serve(llm: Any, command: dict[str, Any]) -> Any:
                     "cached": o.num_cached_tokens,
                     "prompt_logprobs": _logprobs(o.prompt_logprobs, o.num_cached_tokens),
                     "logprobs": _logprobs(o.outputs[0].logprobs),
+                    "prompt_ids": list(o.prompt_token_ids or []),
                 }
                 for o in outs
             ],
