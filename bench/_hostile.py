@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 import xxhash
 from _attackers import FULL, QUICK, FloodReport, attackers, tenants_toml
+from _honest import RATE_REPS, SLOW_PUT_BYTES, honest_slow_put, measure_put_rate
 from _proxied import FULL as PROXIED_FULL
 from _proxied import QUICK as PROXIED_QUICK
 from _proxied import ProxyReport, Route, proxied_attackers
@@ -160,6 +161,8 @@ class AttackReport:
     puts_cut: int = 0
     gets_cut: int = 0
     filler_errors: int = 0
+    honest_slow_put_ok: bool = False
+    honest_slow_note: str = "honest slow put: did not run"
     notes: list[str] = field(default_factory=list)
 
     def victim_ok_share(self) -> float:
@@ -335,18 +338,44 @@ async def quota_game(address: str, end: float, report: AttackReport) -> None:
             await asyncio.sleep(0.05)
 
 
+def honest_block(tag: str) -> tuple[bytes, bytes]:
+    """(key, block) of the honest slow client's size (_honest.py) in key space ``tag``."""
+    k = key(tag, 0)
+    return k, block(k, SLOW_PUT_BYTES)
+
+
+async def server_put_rate(address: str) -> float:
+    """The server's unloaded Put rate (bytes/s) for a block of the honest client's size."""
+    async with channel(address, GOOD) as ch:
+        blocks = [honest_block(f"rate{i}") for i in range(RATE_REPS)]
+        return await measure_put_rate(cache_pb2_grpc.KVCacheStub(ch), blocks)
+
+
+async def honest_slow(address: str, rate: float, start: float, report: AttackReport) -> None:
+    """From ``start`` (monotonic) on: the honest slow Put at ``rate`` and its read-back."""
+    k, blob = honest_block("honest-slow")
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    async with channel(address, GOOD) as ch:
+        stub = cache_pb2_grpc.KVCacheStub(ch)
+        report.honest_slow_put_ok, report.honest_slow_note = await honest_slow_put(
+            stub, k, blob, rate
+        )
+
+
 # Built once, before the attack starts (128 MiB of zeros to compress).
 BOMB = (key("bomb", 0), block(key("bomb", 0), 128 * MiB, compression="lz4", fill=b"\0"))
 
 
 async def attack(
-    route: Route, seconds: float, *, idle_s: float, quick: bool = False
+    route: Route, seconds: float, *, idle_s: float, slow_rate: float, quick: bool = False
 ) -> AttackReport:
     """Run every hostile client, the filler and the victim for ``seconds`` through the
     proxy of ``route`` (``idle_s``: the server's connection idle timeout, which the hoarder
-    stays under; ``quick``: a handful of each flooding attacker)."""
+    stays under; ``quick``: a handful of each flooding attacker), and the honest slow
+    client at ``slow_rate`` bytes/s from a quarter into the phase (all attackers going)."""
     report = AttackReport()
-    end = time.monotonic() + seconds
+    started = time.monotonic()
+    end = started + seconds
 
     async def victim_task() -> None:
         report.victim_ms, report.victim_failed = await victim_process(route.grpc("victim"), seconds)
@@ -358,9 +387,10 @@ async def attack(
         quota_game(route.grpc("gamer"), end, report),
         *(slow_put(route.grpc("slow_put"), n, end, report) for n in range(SLOW_PUTS)),
         *(slow_get(route.grpc("slow_get"), n, end, report) for n in range(SLOW_GETS)),
+        honest_slow(route.grpc("honest"), slow_rate, started + seconds / 4, report),
     ]
     names = ["victim", "filler", "bombs", "quota_game", *["slow_put"] * SLOW_PUTS]
-    names += ["slow_get"] * SLOW_GETS
+    names += [*["slow_get"] * SLOW_GETS, "honest_slow"]
     for name, work in [
         *attackers(route, end, report.flood, QUICK if quick else FULL),
         *proxied_attackers(

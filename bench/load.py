@@ -46,7 +46,13 @@ attacker comes from loopback addresses of its own (127.0.0.2 and up) while the h
 clients come from 127.0.0.1: the proxy's per-source limits are in the picture.
 ``health_ok_share`` is the share of kubelet-like probes (a fresh connection to the
 server's health listener every 0.25 s, one Check, 3 s timeout) answered SERVING
-(target >= 0.99).
+(target >= 0.99). ``honest_slow_put_ok`` (bench/_honest.py): the server's Put rate for an
+8 MiB block is measured unloaded before the load (the best of 3 Puts through the proxy);
+a quarter into the hostile phase an honest client (the good tenant, from 127.0.0.1)
+Puts another 8 MiB block from a reader paced at a tenth of that rate (never below the
+server's default ``min_stream_rate``) and reads it back: 1 when it is stored (one try)
+and comes back bit for bit (the Get again while the server answers "retry later": the
+mix can keep the in-flight budget full), else 0.
 
 Last line::
 
@@ -54,6 +60,7 @@ Last line::
            capacity_mib=... rss_over_capacity=... hostile_rss_over_budget=...
            victim_p99_ms=... victim_alone_p99_ms=... quota_overrun=...
            victim_ok_share=... new_client_ok_share=... health_ok_share=...
+           honest_slow_put_ok=...
 """
 
 from __future__ import annotations
@@ -71,7 +78,8 @@ from pathlib import Path
 
 import grpc
 import xxhash
-from _hostile import GOOD, attack, tokens_toml, victim_alone
+from _honest import slow_put_rate
+from _hostile import GOOD, attack, server_put_rate, tokens_toml, victim_alone
 from _hostile import channel as tenant_channel
 from _proxied import Relays, Route
 
@@ -101,6 +109,7 @@ RESULT_KEYS = (
     "victim_ok_share",
     "new_client_ok_share",
     "health_ok_share",
+    "honest_slow_put_ok",
 )
 
 TASKS = 64
@@ -317,10 +326,15 @@ async def main_async(args: argparse.Namespace) -> int:
                 peak, stop = [idle], asyncio.Event()
                 sampler = asyncio.create_task(sample_rss(pid, peak, stop))
                 alone = await victim_alone(route.grpc("victim"), args.alone_seconds)
+                put_rate = await server_put_rate(route.grpc("honest"))
                 elapsed = await run_load(route.grpc("load"), load)
                 load_peak = peak[0]
                 hostile = await attack(
-                    route, args.attack_seconds, idle_s=IDLE_S - 1, quick=args.quick
+                    route,
+                    args.attack_seconds,
+                    idle_s=IDLE_S - 1,
+                    slow_rate=slow_put_rate(put_rate),
+                    quick=args.quick,
                 )
                 stop.set()
                 await sampler
@@ -370,6 +384,10 @@ async def main_async(args: argparse.Namespace) -> int:
         f"hoarded connections {proxied.hoarded}; kubelet-like probes {proxied.probes_ok} ok "
         f"{proxied.probes_failed} failed"
     )
+    print(
+        f"  honest slow client: unloaded Put rate {put_rate / mib:.1f} MiB/s, paced at "
+        f"{slow_put_rate(put_rate) / mib:.2f} MiB/s; {hostile.honest_slow_note}"
+    )
     for note in hostile.notes[:10]:
         print(f"  hostile: {note}")
     print(
@@ -384,7 +402,8 @@ async def main_async(args: argparse.Namespace) -> int:
         f"quota_overrun={hostile.quota_overrun():.3f} "
         f"victim_ok_share={hostile.victim_ok_share():.3f} "
         f"new_client_ok_share={hostile.flood.new_client_ok_share():.3f} "
-        f"health_ok_share={proxied.health_ok_share():.3f}"
+        f"health_ok_share={proxied.health_ok_share():.3f} "
+        f"honest_slow_put_ok={int(hostile.honest_slow_put_ok)}"
     )
     return 0
 

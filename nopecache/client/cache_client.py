@@ -128,6 +128,9 @@ class AsyncCacheClient:
         if not isinstance(config, ClientConfig):
             raise InvalidArgumentError("config", f"must be a ClientConfig or URL, got {config!r}")
         check_model(fingerprint, rope, v_head_dim)
+        if config.kv_codec != "none":
+            # Compact blocks are another stored form: keyed apart from the engine's dtype.
+            fingerprint = replace(fingerprint, codec=config.kv_codec)
         if prefix_block_tokens is None:
             prefix_block_tokens = config.prefix_block_tokens
         if chunker is None:

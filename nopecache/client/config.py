@@ -56,6 +56,7 @@ from nopecache.client.chunking import ContentChunker
 from nopecache.client.cost import CostConfig
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.proto.contract import DEFAULT_PORT, METHODS, SERVICE_NAME
+from nopecache.proto.kv_codec import CODECS
 from nopecache.proto.sizes import SizeError, parse_size
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "ClientConfig",
     "DiscoverMode",
     "DnsFamily",
+    "KvCodec",
     "RetryPolicy",
     "ShmMode",
     "normalize_server",
@@ -113,6 +115,7 @@ DEFAULT_CHUNKER = ContentChunker(
 _MAX_BLOCK_TOKENS = 1 << 20
 
 ShmMode = Literal["auto", "on", "off"]
+KvCodec = Literal["none", "fp8", "k16v8"]
 BulkMode = Literal["auto", "off"]
 _SHM_MODES: tuple[str, ...] = ("auto", "on", "off")
 DiscoverMode = Literal["off", "dns"]
@@ -375,6 +378,10 @@ class ClientConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     # Default tenant namespace salted into every key (a call may pass its own).
     namespace: str = ""
+    # The compact stored form this client stores and loads (proto/kv_codec.py): "fp8",
+    # "k16v8" (approximate KV: keyed apart from "none" blocks, never an exact prefix) or
+    # "none" (the engine's dtype, bit-exact).
+    kv_codec: KvCodec = "none"
     # With "dns", every server entry is a name standing for all its addresses (a Kubernetes
     # headless Service); see nopecache.client.discovery.
     discover: DiscoverMode = "off"
@@ -457,6 +464,10 @@ class ClientConfig:
             )
         if not isinstance(self.namespace, str):
             raise InvalidArgumentError("namespace", f"must be a str, got {self.namespace!r}")
+        if self.kv_codec not in CODECS:
+            raise InvalidArgumentError(
+                "kv_codec", f"must be one of {list(CODECS)}, got {self.kv_codec!r}"
+            )
         if not isinstance(self.tls, bool):
             raise InvalidArgumentError("tls", f"must be a bool, got {self.tls!r}")
         for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
@@ -720,6 +731,7 @@ URL_PARAMS: dict[str, _Param] = {
     "store_queue_blocks": _Param("store_queue_blocks", _parse_int),
     "down_backoff": _Param("down_backoff_s", _parse_duration),
     "namespace": _Param("namespace", _parse_text),
+    "kv_codec": _Param("kv_codec", _parse_text),
     "discover": _Param("discover", _parse_text),
     "dns_refresh": _Param("dns_refresh_s", _parse_duration),
     "dns_min_interval": _Param("dns_min_interval_s", _parse_duration),

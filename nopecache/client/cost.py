@@ -58,6 +58,7 @@ from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.keys import BlockKey
 from nopecache.client.plan import Hit
 from nopecache.proto.block import DTYPE_ITEMSIZE, StoredForm
+from nopecache.proto.kv_codec import CodecError, payload_layout
 
 __all__ = [
     "CostConfig",
@@ -151,7 +152,8 @@ class CostConfig:
 def bytes_per_token(fingerprint: ModelFingerprint, v_head_dim: int | None = None) -> int:
     """Payload bytes one token adds to a block: K and V of every layer and KV head.
 
-    ``layers * kv_heads * (head_dim + v_head_dim) * itemsize``; ``v_head_dim`` defaults
+    ``layers * kv_heads * (head_dim + v_head_dim) * itemsize`` (itemsize 1 for what a
+    ``kv_codec`` holds in fp8); ``v_head_dim`` defaults
     to ``head_dim`` (0 for MLA, whose block holds no V). The block header (key, token
     ids, checksum) is left out: it is a few bytes per token against kilobytes of KV.
     """
@@ -164,12 +166,12 @@ def bytes_per_token(fingerprint: ModelFingerprint, v_head_dim: int | None = None
     if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or v_head_dim < 0:
         raise InvalidArgumentError("v_head_dim", f"must be an int >= 0, got {v_head_dim!r}")
     itemsize = DTYPE_ITEMSIZE[fingerprint.dtype]
-    return (
-        fingerprint.num_layers
-        * fingerprint.num_kv_heads
-        * (fingerprint.head_dim + v_head_dim)
-        * itemsize
-    )
+    one = (fingerprint.num_layers, 1, fingerprint.num_kv_heads, fingerprint.head_dim)
+    try:  # a compact form's elements; its per-block scales are left out like the header
+        lay = payload_layout(fingerprint.codec, itemsize, one, v_head_dim)
+    except CodecError as e:
+        raise InvalidArgumentError("kv_codec", str(e)) from e
+    return lay.k_nbytes + lay.v_nbytes
 
 
 @dataclass(frozen=True, slots=True)

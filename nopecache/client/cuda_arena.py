@@ -43,6 +43,7 @@ from nopecache.proto.block import (
     head_nbytes,
     parse_head,
 )
+from nopecache.proto.kv_codec import decode_payload
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -202,6 +203,10 @@ def decode_device_block(
             expect_tokens=expect_tokens,
         )
     dtype = getattr(torch, header.dtype)
+    if header.codec != "none":  # a compact block decodes on the device it lies on
+        payload = data[start : start + header.payload_nbytes]
+        kc, vc = decode_payload(header.codec, payload, dtype, header.shape, header.v_head_dim)
+        return DecodedBlock(header=header, k=kc, v=vc)
     k = data[start : start + header.k_nbytes].view(dtype).view(header.shape)
     v_shape = header.v_shape
     v = None

@@ -178,9 +178,15 @@ class BlockPlacer:
             # a join of several runs) and kept, with its lease, until that stream has
             # finished reading it.
             device = isinstance(blob, DeviceBlob) and into is not None
-            with into.issuing() if device and into is not None else contextlib.nullcontext():
+            # A compact block (kv_codec) bound for a GPU cache is decoded there, on into's
+            # stream: half the bytes cross the bus, and the GPU does the arithmetic.
+            decode_on = into.device if into is not None and into.device.type == "cuda" else None
+            issuing = into is not None and (device or decode_on is not None)
+            with into.issuing() if issuing and into is not None else contextlib.nullcontext():
                 for hit in hits:
-                    block = decode_for_hit(blob, hit, prompt, fp, self.v_head_dim, digest)
+                    block = decode_for_hit(
+                        blob, hit, prompt, fp, self.v_head_dim, digest, decode_on
+                    )
                     if into is not None:
                         place_paged(block, hit, into, self.rope, self.staging)
                     else:

@@ -33,7 +33,12 @@ stores, see ``head_groups.py``) appends, last::
     ..      4     kv_head_start   u32
     ..      4     kv_heads_total  u32
 
-    version  model source  head group
+A *compact stored form* (``kv_codec``: blocks hold approximate KV, see
+``proto/kv_codec.py``) appends, last, and adds 4 to the version (5 to 8)::
+
+    ..      4+n   codec           u32 length + ASCII codec name ("fp8", "k16v8")
+
+    version  model source  head group  (+4: a codec)
     1        -             -
     2        -             yes
     3        yes           -
@@ -55,6 +60,7 @@ import xxhash
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import DTYPE_ITEMSIZE, StoredForm
+from nopecache.proto.kv_codec import CODECS
 
 # Torch dtype names a block may be stored in (``str(torch.bfloat16)`` minus "torch."):
 # exactly those the block format can carry.
@@ -68,7 +74,9 @@ _VERSION = 1
 _VERSION_HEAD_GROUP = 2
 _VERSION_SOURCE = 3
 _VERSION_SOURCE_HEAD_GROUP = 4
-_VERSIONS = (_VERSION, _VERSION_HEAD_GROUP, _VERSION_SOURCE, _VERSION_SOURCE_HEAD_GROUP)
+_VERSIONS_RAW = (_VERSION, _VERSION_HEAD_GROUP, _VERSION_SOURCE, _VERSION_SOURCE_HEAD_GROUP)
+_CODEC_VERSION_STEP = 4  # a codec's encodings are the raw ones + 4
+_VERSIONS = (*_VERSIONS_RAW, *(v + _CODEC_VERSION_STEP for v in _VERSIONS_RAW))
 _HEAD = struct.Struct("<4sBBIII")
 _GROUP = struct.Struct("<II")
 _U32 = struct.Struct("<I")
@@ -113,6 +121,8 @@ class ModelFingerprint:
     config_digest: bytes = b""  # 16 bytes: the text config as the engine loaded it
     weights_digest: bytes = b""  # 16 bytes: the local weight files (b"": not local)
     rope_max_len: int = 0  # max_model_len the rotation depends on (0: none)
+    # The compact stored form blocks are held in (kv_codec.py; "none": the dtype as is).
+    codec: str = "none"
     # Cached canonical encoding; keys hash the digest of it once per chunk.
     _encoded: bytes = field(init=False, repr=False, compare=False, hash=False)
 
@@ -142,6 +152,10 @@ class ModelFingerprint:
             )
         self._check_group()
         self._check_source()
+        if self.codec not in CODECS:
+            raise InvalidArgumentError(
+                "codec", f"must be one of {list(CODECS)}, got {self.codec!r}"
+            )
         object.__setattr__(self, "_encoded", self._encode())
 
     def _check_source(self) -> None:
@@ -242,6 +256,8 @@ class ModelFingerprint:
 
     def _encode(self) -> bytes:
         version = (_VERSION_SOURCE if self.has_source else _VERSION) + self.is_head_group
+        if self.codec != "none":
+            version += _CODEC_VERSION_STEP
         parts = [
             _HEAD.pack(
                 _MAGIC,
@@ -271,6 +287,9 @@ class ModelFingerprint:
             parts.append(_U32.pack(self.rope_max_len))
         if self.is_head_group:
             parts.append(_GROUP.pack(self.kv_head_start, self.kv_heads_total))
+        if self.codec != "none":
+            parts.append(_LEN.pack(len(self.codec)))
+            parts.append(self.codec.encode("ascii"))
         return b"".join(parts)
 
     def to_bytes(self) -> bytes:
@@ -297,6 +316,8 @@ class ModelFingerprint:
         if version not in _VERSIONS:
             raise InvalidArgumentError("data", f"unknown fingerprint encoding v{version}")
         reader.pos = _HEAD.size
+        codec_version = version > _VERSIONS_RAW[-1]
+        version -= _CODEC_VERSION_STEP * codec_version
         dtype, model, revision = (reader.text(name) for name in ("dtype", "model", "revision"))
         rope_digest = reader.blob("rope_digest")
         source: dict[str, object] = {}
@@ -312,6 +333,9 @@ class ModelFingerprint:
                 raise InvalidArgumentError(
                     "data", f"a version-{version} fingerprint with 0 heads in all"
                 )
+        codec = reader.text("codec") if codec_version else "none"
+        if codec_version and codec == "none":
+            raise InvalidArgumentError("data", "a codec encoding that names no codec")
         if reader.pos != len(reader.buf):
             raise InvalidArgumentError("data", f"{len(reader.buf) - reader.pos} trailing bytes")
         fp = cls(
@@ -325,6 +349,7 @@ class ModelFingerprint:
             rope_digest=rope_digest,
             kv_head_start=group[0],
             kv_heads_total=group[1],
+            codec=codec,
             **source,  # type: ignore[arg-type]  # checked by __post_init__
         )
         if source and not fp.has_source:
@@ -352,7 +377,7 @@ class _Reader:
     def text(self, name: str) -> str:
         raw = self.blob(name)
         try:
-            return raw.decode("ascii" if name == "dtype" else "utf-8")
+            return raw.decode("ascii" if name in ("dtype", "codec") else "utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidArgumentError("data", f"invalid text field: {exc}") from None
 

@@ -339,12 +339,15 @@ def decode_for_hit(
     fingerprint: ModelFingerprint,
     v_head_dim: int,
     payload_xxh3: int | None = None,
+    device: torch.device | None = None,
 ) -> DecodedBlock:
     """Verify a fetched blob for ``hit`` of ``prompt`` and decode it (zero-copy views).
 
     ``payload_xxh3``: the payload's digest taken as the blob was received (the bulk
     stream's, ``buffers.payload_xxh3``): compared with the block's checksum instead of
-    hashing the payload again.
+    hashing the payload again. ``device``: where a compact block (``kv_codec``) is decoded
+    (the CUDA device it is placed on: its compact bytes cross the bus, not the engine's
+    dtype; None: on the host).
 
     The block must be intact (both checksums), carry the hit's key and the model's
     fingerprint, and hold exactly the prompt tokens its key was computed from: the hit
@@ -365,7 +368,7 @@ def decode_for_hit(
     if isinstance(blob, DeviceBlob):
         block = decode_device_block(blob, **expect)
     else:
-        block = decode_block(blob, payload_xxh3=payload_xxh3, **expect)
+        block = decode_block(blob, payload_xxh3=payload_xxh3, decode_on=device, **expect)
     header = block.header
     want = (fingerprint.num_layers, src.end, fingerprint.num_kv_heads, fingerprint.head_dim)
     if header.form != hit.form or header.dtype != fingerprint.dtype:

@@ -369,6 +369,7 @@ class StorePipeline:
                 v=None if job.v is None else job.v[:, s:e],
                 token_ids=job.tokens[s:e].tolist(),
                 source_positions=source,
+                codec=fp.codec,
             )
             out.append((c.key.value, blob))
         return out

@@ -31,10 +31,16 @@ the payload is lz4-compressed)::
     source_positions  bin    tokens x uint32 LE for ROPE, nil otherwise
     checksum          int    xxh3-64 of the uncompressed payload
     compression       str    "none" | "lz4" (lz4 block format, no size prefix)
-    payload_nbytes    int    uncompressed payload size (K bytes + V bytes)
+    payload_nbytes    int    uncompressed payload size (K bytes + V bytes [+ scales])
     stored_nbytes     int    payload bytes in the blob (== payload_nbytes for "none")
+    codec             str    version 2 only: "fp8" | "k16v8" (``kv_codec.py``)
 
-Payload (uncompressed): K then V, C-contiguous, the raw little-endian element bytes (as
+Versions: 1 is the raw form (no ``codec`` key: codec "none"); 2 adds ``codec``, a compact
+stored form whose payload layout ``kv_codec.py`` draws. Each block has one encoding (a
+"none" block is always version 1), so raw blocks keep their bytes, and a reader that only
+knows version 1 refuses a compact block instead of reading its bytes as the engine's dtype.
+
+Payload (uncompressed, codec "none"): K then V, C-contiguous, the raw little-endian element bytes (as
 torch holds them on every little-endian host; bf16 and fp8 are never converted)::
 
     K  [layers, tokens, kv_heads, head_dim]     dtype
@@ -51,7 +57,6 @@ xxhash and lz4 only. ``encode_block``/``decode_block`` import torch when called.
 
 from __future__ import annotations
 
-import enum
 import struct
 import threading
 import warnings
@@ -63,49 +68,35 @@ import lz4.block
 import msgpack
 import xxhash
 
+from nopecache.proto.block_layout import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE
+from nopecache.proto.block_layout import MAX_BLOCK_TOKENS as MAX_BLOCK_TOKENS
+from nopecache.proto.block_layout import BlockChecksumError as BlockChecksumError
+from nopecache.proto.block_layout import BlockError as BlockError
+from nopecache.proto.block_layout import BlockHeaderError as BlockHeaderError
+from nopecache.proto.block_layout import BlockMismatchError as BlockMismatchError
+from nopecache.proto.block_layout import BlockSizeError as BlockSizeError
+from nopecache.proto.block_layout import StoredForm as StoredForm
+from nopecache.proto.block_layout import check_layout, is_int
+from nopecache.proto.kv_codec import decode_payload, payload_layout
+
 if TYPE_CHECKING:
     import torch
 
 
-class StoredForm(enum.IntEnum):
-    """How K is held in a block.
-
-    NOPE: K before RoPE (position independent), V as computed.
-    ROPE: K after RoPE at the block's ``source_positions``; re-rotated by a delta on fetch.
-    MLA:  DeepSeek-style latent ``[kv_lora_rank | rope part]`` with the rope part in nope
-          form; no separate V.
-    ENGINE_PAGE: one page of an engine's own KV pool, bytes in the engine's layout (which
-          the fingerprint names), K post-RoPE at positions only the engine's page hash
-          implies; token ids unknown (zeros). Reused only under the same engine key, never
-          rotated or placed by the client (SGLang's HiCache pages). ``v_head_dim`` 0: no V.
-    """
-
-    NOPE = 0
-    ROPE = 1
-    MLA = 2
-    ENGINE_PAGE = 3
-
-
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the raw form (codec "none")
+CODEC_FORMAT_VERSION = 2  # version 1 + the ``codec`` field (a compact stored form)
 KEY_BYTES = 16
 MAGIC = b"NPC1"
 PREFIX = struct.Struct("<4sIQ")  # magic, header_len, header_xxh3_64
 PAYLOAD_ALIGN = 64
 MAX_HEADER_BYTES = 1 << 20
 MAX_FINGERPRINT_BYTES = 1024
-MAX_BLOCK_TOKENS = 1 << 16
 # lz4's block API refuses inputs above LZ4_MAX_INPUT_SIZE, and no lz4 stream expands by
 # more than 255x: bounding payload_nbytes by both keeps a crafted header from making the
 # server allocate gigabytes before the checksum could reject it.
 LZ4_MAX_INPUT = 0x7E000000
 LZ4_MAX_RATIO = 255
 
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "bfloat16": 2,
-    "float16": 2,
-    "float32": 4,
-    "float8_e4m3fn": 1,
-}
 COMPRESSIONS = ("none", "lz4")
 
 BytesLike = bytes | bytearray | memoryview
@@ -125,26 +116,12 @@ _HEADER_KEYS = (
     "payload_nbytes",
     "stored_nbytes",
 )
+_CODEC_HEADER_KEYS = (*_HEADER_KEYS, "codec")
 
 
-class BlockError(ValueError):
-    """A block is malformed, corrupted, or not the one the caller asked for."""
-
-
-class BlockHeaderError(BlockError):
-    """The header is structurally invalid (magic, version, a field's type or value)."""
-
-
-class BlockSizeError(BlockError):
-    """The blob's length disagrees with what its header says (truncated, trailing bytes)."""
-
-
-class BlockChecksumError(BlockError):
-    """The header or payload bytes do not match their xxh3-64 checksum."""
-
-
-class BlockMismatchError(BlockError):
-    """An intact block whose key, fingerprint or token ids are not what the caller expected."""
+def format_version(codec: str) -> int:
+    """The one header version a block stored with ``codec`` has."""
+    return FORMAT_VERSION if codec == "none" else CODEC_FORMAT_VERSION
 
 
 def _u32_bytes(field: str, values: tuple[int, ...]) -> bytes:
@@ -153,40 +130,6 @@ def _u32_bytes(field: str, values: tuple[int, ...]) -> bytes:
         return struct.pack(f"<{len(values)}I", *values)
     except struct.error as e:
         raise BlockHeaderError(f"{field}: every entry must be an int in [0, 2**32): {e}") from e
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_layout(form: StoredForm, dtype: str, shape: tuple[int, ...], v_head_dim: int) -> int:
-    """Validate dtype/shape/v_head_dim for ``form`` and return the uncompressed payload size."""
-    if dtype not in DTYPE_ITEMSIZE:
-        raise BlockHeaderError(f"dtype: {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
-    if not isinstance(shape, tuple) or len(shape) != 4 or not all(_is_int(d) for d in shape):
-        raise BlockHeaderError(
-            f"shape: must be a tuple of 4 ints (layers, tokens, kv_heads, head_dim), got {shape!r}"
-        )
-    if min(shape) <= 0:
-        raise BlockHeaderError(f"shape: every dimension must be positive, got {shape}")
-    layers, tokens, kv_heads, head_dim = shape
-    if tokens > MAX_BLOCK_TOKENS:
-        raise BlockHeaderError(
-            f"shape: {tokens} tokens exceeds MAX_BLOCK_TOKENS={MAX_BLOCK_TOKENS}"
-        )
-    if not _is_int(v_head_dim):
-        raise BlockHeaderError(f"v_head_dim: must be an int, got {v_head_dim!r}")
-    if form == StoredForm.MLA:
-        if v_head_dim != 0:
-            raise BlockHeaderError(f"v_head_dim: must be 0 for MLA (no V), got {v_head_dim}")
-        if kv_heads != 1:
-            raise BlockHeaderError(f"shape: MLA latent has kv_heads 1, got {kv_heads}")
-    elif form == StoredForm.ENGINE_PAGE:
-        if v_head_dim < 0:
-            raise BlockHeaderError(f"v_head_dim: must be >= 0 for ENGINE_PAGE, got {v_head_dim}")
-    elif v_head_dim <= 0:
-        raise BlockHeaderError(f"v_head_dim: must be positive for {form.name}, got {v_head_dim}")
-    return DTYPE_ITEMSIZE[dtype] * layers * tokens * kv_heads * (head_dim + v_head_dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,12 +148,20 @@ class BlockHeader:
     checksum: int
     compression: str
     payload_nbytes: int
+    codec: str = "none"  # a compact stored form (kv_codec.py); version 2 when not "none"
 
     def __post_init__(self) -> None:
-        if not _is_int(self.version) or self.version != FORMAT_VERSION:
+        if not isinstance(self.codec, str):
+            raise BlockHeaderError(f"codec: must be a str, got {self.codec!r}")
+        if not is_int(self.version) or self.version not in (FORMAT_VERSION, CODEC_FORMAT_VERSION):
             raise BlockHeaderError(
                 f"version: unsupported format version {self.version!r} "
-                f"(this build reads {FORMAT_VERSION})"
+                f"(this build reads {FORMAT_VERSION} and {CODEC_FORMAT_VERSION})"
+            )
+        if self.version != format_version(self.codec):
+            raise BlockHeaderError(
+                f"version: a block with codec {self.codec!r} is version "
+                f"{format_version(self.codec)}, got {self.version}"
             )
         if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
             raise BlockHeaderError(f"key: must be {KEY_BYTES} bytes, got {self.key!r}")
@@ -223,7 +174,7 @@ class BlockHeader:
             )
         if not isinstance(self.form, StoredForm):
             raise BlockHeaderError(f"form: must be a StoredForm, got {self.form!r}")
-        expected = _check_layout(self.form, self.dtype, self.shape, self.v_head_dim)
+        expected = check_layout(self.form, self.dtype, self.shape, self.v_head_dim, self.codec)
         tokens = self.shape[1]
         if not isinstance(self.token_ids, tuple) or len(self.token_ids) != tokens:
             raise BlockHeaderError(
@@ -240,7 +191,7 @@ class BlockHeader:
             _u32_bytes("source_positions", pos)
         elif self.source_positions is not None:
             raise BlockHeaderError(f"source_positions: must be None for {self.form.name}")
-        if not _is_int(self.checksum) or not 0 <= self.checksum < 1 << 64:
+        if not is_int(self.checksum) or not 0 <= self.checksum < 1 << 64:
             raise BlockHeaderError(f"checksum: must be a uint64, got {self.checksum!r}")
         if self.compression not in COMPRESSIONS:
             raise BlockHeaderError(
@@ -249,7 +200,7 @@ class BlockHeader:
         if self.payload_nbytes != expected:
             raise BlockHeaderError(
                 f"payload_nbytes: {self.payload_nbytes!r} but {self.dtype} K{list(self.shape)} "
-                f"+ V head_dim {self.v_head_dim} needs {expected}"
+                f"+ V head_dim {self.v_head_dim} (codec {self.codec}) needs {expected}"
             )
 
     @property
@@ -262,9 +213,9 @@ class BlockHeader:
 
     @property
     def k_nbytes(self) -> int:
-        """Bytes of K at the start of the uncompressed payload."""
-        layers, tokens, kv_heads, head_dim = self.shape
-        return DTYPE_ITEMSIZE[self.dtype] * layers * tokens * kv_heads * head_dim
+        """Bytes of K at the start of the uncompressed payload (as the codec holds it)."""
+        itemsize = DTYPE_ITEMSIZE[self.dtype]
+        return payload_layout(self.codec, itemsize, self.shape, self.v_head_dim).k_nbytes
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,6 +225,7 @@ class BlockHeader:
 def _encode_header(header: BlockHeader, stored_nbytes: int) -> bytes:
     """Msgpack bytes of ``header``; the key order is fixed so equal blocks are equal bytes."""
     pos = header.source_positions
+    codec = {} if header.codec == "none" else {"codec": header.codec}
     return msgpack.packb(
         {
             "version": header.version,
@@ -289,6 +241,7 @@ def _encode_header(header: BlockHeader, stored_nbytes: int) -> bytes:
             "compression": header.compression,
             "payload_nbytes": header.payload_nbytes,
             "stored_nbytes": stored_nbytes,
+            **codec,
         },
         use_bin_type=True,
     )
@@ -310,13 +263,15 @@ def _decode_header(raw: memoryview) -> tuple[BlockHeader, int]:
         raise BlockHeaderError(f"header: must be a msgpack map, got {type(fields).__name__}")
     # Version first: another version may have other fields, and that is the real reason.
     version = fields.get("version")
-    if not _is_int(version) or version != FORMAT_VERSION:
+    if not is_int(version) or version not in (FORMAT_VERSION, CODEC_FORMAT_VERSION):
         raise BlockHeaderError(
-            f"version: unsupported format version {version!r} (this build reads {FORMAT_VERSION})"
+            f"version: unsupported format version {version!r} "
+            f"(this build reads {FORMAT_VERSION} and {CODEC_FORMAT_VERSION})"
         )
-    if set(fields) != set(_HEADER_KEYS):
-        missing = sorted(set(_HEADER_KEYS) - set(fields))
-        unknown = sorted(set(fields) - set(_HEADER_KEYS))
+    keys = _HEADER_KEYS if version == FORMAT_VERSION else _CODEC_HEADER_KEYS
+    if set(fields) != set(keys):
+        missing = sorted(set(keys) - set(fields))
+        unknown = sorted(set(fields) - set(keys))
         raise BlockHeaderError(f"header: missing fields {missing}, unknown fields {unknown}")
     try:
         form = StoredForm(fields["form"])
@@ -324,7 +279,7 @@ def _decode_header(raw: memoryview) -> tuple[BlockHeader, int]:
         raise BlockHeaderError(f"form: unknown stored form {fields['form']!r}") from e
     shape = fields["shape"]
     # The token count sizes the uint32 fields below; BlockHeader checks the rest.
-    if not isinstance(shape, tuple) or len(shape) != 4 or not _is_int(shape[1]):
+    if not isinstance(shape, tuple) or len(shape) != 4 or not is_int(shape[1]):
         raise BlockHeaderError(f"shape: must be 4 ints, got {shape!r}")
     tokens = shape[1]
     if not 0 < tokens <= MAX_BLOCK_TOKENS:
@@ -345,9 +300,10 @@ def _decode_header(raw: memoryview) -> tuple[BlockHeader, int]:
         checksum=fields["checksum"],
         compression=fields["compression"],
         payload_nbytes=fields["payload_nbytes"],
+        codec=fields.get("codec", "none"),
     )
     stored = fields["stored_nbytes"]
-    if not _is_int(stored) or stored < 0:
+    if not is_int(stored) or stored < 0:
         raise BlockHeaderError(f"stored_nbytes: must be a non-negative int, got {stored!r}")
     _check_stored(header, stored)
     return header, stored
@@ -560,6 +516,7 @@ def header_of(
     payload: BytesLike | Sequence[BytesLike],
     source_positions: Sequence[int] | None,
     compression: str,
+    codec: str = "none",
 ) -> tuple[BlockHeader, list[memoryview], int]:
     """The validated header of a payload given in parts, the parts as byte views, and
     the payload size (checksummed where the parts lie)."""
@@ -567,15 +524,17 @@ def header_of(
         payload = [payload]
     parts = [memoryview(p).cast("B") for p in payload]
     shape = tuple(shape)  # type: ignore[assignment]  # _check_layout checks the arity
-    expected = _check_layout(form, dtype, shape, v_head_dim)
+    expected = check_layout(form, dtype, shape, v_head_dim, codec)
     nbytes = sum(p.nbytes for p in parts)
     if nbytes != expected:
-        raise BlockSizeError(f"payload: {nbytes} bytes but {dtype} {list(shape)} needs {expected}")
+        raise BlockSizeError(
+            f"payload: {nbytes} bytes but {dtype} {list(shape)} (codec {codec}) needs {expected}"
+        )
     digest = xxhash.xxh3_64()
     for p in parts:
         digest.update(p)
     header = BlockHeader(
-        version=FORMAT_VERSION,
+        version=format_version(codec),
         key=key,
         fingerprint=fingerprint,
         form=form,
@@ -587,6 +546,7 @@ def header_of(
         checksum=digest.intdigest(),
         compression=compression,
         payload_nbytes=nbytes,
+        codec=codec,
     )
     return header, parts, nbytes
 
@@ -696,6 +656,7 @@ def encode_block(
     token_ids: Sequence[int],
     source_positions: Sequence[int] | None = None,
     compression: str = "none",
+    codec: str = "none",
 ) -> bytes:
     """A blob holding K (and V) ``[layers, tokens, kv_heads, head_dim]`` for ``token_ids``
     (``block_parts.encode_block_parts`` joined: the payload copied once, into the blob)."""
@@ -710,6 +671,7 @@ def encode_block(
         token_ids=token_ids,
         source_positions=source_positions,
         compression=compression,
+        codec=codec,
     ).join()
 
 
@@ -765,6 +727,7 @@ def decode_block(
     expect_fingerprint: bytes | None = None,
     expect_tokens: Sequence[int] | None = None,
     payload_xxh3: int | None = None,
+    decode_on: Any = None,
 ) -> DecodedBlock:
     """Verify a blob against what the caller expects and return K/V tensors viewing it.
 
@@ -779,7 +742,10 @@ def decode_block(
     that keep ``blob`` alive. They are writable (and writes land in ``blob``) when ``blob``
     is writable (bytearray, a writable memoryview such as shared memory); for a read-only
     ``blob`` (bytes) they are read-only by contract, as torch cannot flag them: copy
-    before writing. lz4 blocks decode into a fresh read-only buffer.
+    before writing. lz4 blocks decode into a fresh read-only buffer. A compact block
+    (``codec`` not "none") decodes into fresh tensors of its ``dtype`` (``kv_codec.py``),
+    on ``decode_on`` when given (a torch device: its compact bytes are copied there and
+    decoded there, e.g. on the GPU that places them, on its current stream).
     """
     import torch
 
@@ -787,6 +753,12 @@ def decode_block(
     check_expected(header, expect_key, expect_fingerprint, expect_tokens)
     payload = _checked_payload(header, stored, payload_xxh3)
     dtype = getattr(torch, header.dtype)
+    if header.codec != "none":
+        raw = _frombuffer(payload, torch.uint8, header.payload_nbytes, 0)
+        if decode_on is not None:
+            raw = raw.to(decode_on)
+        k, v = decode_payload(header.codec, raw, dtype, header.shape, header.v_head_dim)
+        return DecodedBlock(header=header, k=k, v=v)
     itemsize = DTYPE_ITEMSIZE[header.dtype]
     k_count = header.k_nbytes // itemsize
     k = _frombuffer(payload, dtype, k_count, 0).view(header.shape)

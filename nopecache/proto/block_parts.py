@@ -31,6 +31,7 @@ from nopecache.proto.block import (
     frame_head,
     header_of,
 )
+from nopecache.proto.kv_codec import CodecError, encode_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +90,7 @@ def encode_block_parts(
     token_ids: Sequence[int],
     source_positions: Sequence[int] | None = None,
     compression: str = "none",
+    codec: str = "none",
 ) -> EncodedBlock:
     """A block holding K (and V) ``[layers, tokens, kv_heads, head_dim]`` for
     ``token_ids``, in parts.
@@ -96,7 +98,8 @@ def encode_block_parts(
     K and V may live on any device and in any layout; their bytes are taken exactly (no
     float conversion) and checksummed in place; the payload views alias them (one
     device-to-host or layout copy when a tensor is not a contiguous CPU tensor or a
-    token slice of one; lz4 compresses into one part).
+    token slice of one; lz4 compresses into one part). A ``codec`` (``kv_codec.py``)
+    encodes on the tensors' own device first: the parts are then its compact tensors.
     """
     # Every check runs before the first byte is copied off the device.
     dtype = str(k.dtype).removeprefix("torch.")
@@ -125,6 +128,13 @@ def encode_block_parts(
         tensors.append(v)
     if len(token_ids) != shape[1]:
         raise BlockHeaderError(f"token_ids: {len(token_ids)} ids for {shape[1]} tokens in k")
+    if codec != "none":
+        if form == StoredForm.ENGINE_PAGE:
+            raise BlockHeaderError(f"codec: {codec!r} does not apply to ENGINE_PAGE")
+        try:
+            tensors = encode_tensors(codec, k, None if form == StoredForm.MLA else v)
+        except CodecError as e:
+            raise BlockHeaderError(str(e)) from e
     header, parts, nbytes = header_of(
         key=key,
         fingerprint=fingerprint,
@@ -136,6 +146,7 @@ def encode_block_parts(
         payload=[part for t in tensors for part in _host_bytes(t)],
         source_positions=source_positions,
         compression=compression,
+        codec=codec,
     )
     if compression == "lz4":
         if nbytes > LZ4_MAX_INPUT:

@@ -296,6 +296,7 @@ def _everything_changed() -> ClientConfig:
             probe_share=0.25,
         ),
         namespace="tenant/α&b=c",
+        kv_codec="fp8",
         discover="dns",
         dns_refresh_s=0.0,
         dns_min_interval_s=0.25,
@@ -354,6 +355,7 @@ BAD_VALUES = {
     "store_queue_blocks": "many",
     "down_backoff": "-5ms",
     "namespace": None,  # any text is a valid namespace
+    "kv_codec": "int4",
     "discover": "srv",
     "dns_refresh": "nan",
     "dns_min_interval": "soon",

@@ -192,7 +192,8 @@ def test_invalid_argument_error_survives_pickling() -> None:
     [
         (b"NCF", "shorter than the header"),
         (b"XXXX" + FP.to_bytes()[4:], "bad magic"),
-        (FP.to_bytes()[:4] + b"\x05" + FP.to_bytes()[5:], "unknown fingerprint encoding v5"),
+        (FP.to_bytes()[:4] + b"\x09" + FP.to_bytes()[5:], "unknown fingerprint encoding v9"),
+        (FP.to_bytes()[:4] + b"\x05" + FP.to_bytes()[5:], "truncated before the codec"),
         # A version-3 header over version-1 bytes: the source fields are missing.
         (FP.to_bytes()[:4] + b"\x03" + FP.to_bytes()[5:], "truncated before the quantization"),
         (FP.to_bytes()[:-3], "truncated inside rope_digest"),

@@ -47,12 +47,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProc
     started.kill()
 
 
-def _client(server: CacheServerProc, namespace: str, form: StoredForm) -> CacheClient:
+def _client(
+    server: CacheServerProc, namespace: str, form: StoredForm, kv_codec: str = "none"
+) -> CacheClient:
     config = ClientConfig(
         servers=(server.address,),
         retry=RetryPolicy(max_attempts=1),
         cost=CostConfig(enabled=False),
         namespace=namespace,
+        kv_codec=kv_codec,  # type: ignore[arg-type]
     )
     fingerprint = ModelFingerprint.from_rope_spec(
         model="gpu-check",
@@ -142,6 +145,22 @@ def test_fetch_of_a_post_rope_prefix_into_cuda_is_bit_exact(server: CacheServerP
     tokens = _tokens(160, seed=3)
     k, v = _kv(160, seed=3)
     with _client(server, "gpu-rope", StoredForm.ROPE) as client:
+        client.store(tokens, (k, v), 0, form="rope", position_independent=False)
+        cpu, gpu, result, _ = _fetch_both(client, tokens, torch.device("cuda"))
+    assert result.ready is not None
+    result.ready.synchronize()
+    _assert_same(cpu, gpu, exact_k=True)
+
+
+@pytest.mark.parametrize("codec", ["fp8", "k16v8"])
+def test_compact_blocks_decode_on_the_gpu_as_on_the_host(
+    server: CacheServerProc, codec: str
+) -> None:
+    # A compact block bound for a CUDA cache crosses the bus compact and is decoded on
+    # the GPU (fetching.py); the CPU fetch decodes on the host: the same bf16 values.
+    tokens = _tokens(160, seed=4)
+    k, v = _kv(160, seed=4)
+    with _client(server, f"gpu-{codec}", StoredForm.ROPE, codec) as client:
         client.store(tokens, (k, v), 0, form="rope", position_independent=False)
         cpu, gpu, result, _ = _fetch_both(client, tokens, torch.device("cuda"))
     assert result.ready is not None

@@ -348,7 +348,7 @@ def test_header_length_over_the_limit_is_refused() -> None:
 
 
 BAD_HEADERS: list[tuple[str, Any, type[BlockError], str]] = [
-    ("version", 2, BlockHeaderError, "version: unsupported format version 2"),
+    ("version", 3, BlockHeaderError, "version: unsupported format version 3"),
     ("dtype", "int8", BlockHeaderError, "dtype: 'int8'"),
     ("form", 7, BlockHeaderError, "form: unknown stored form 7"),
     ("compression", "zstd", BlockHeaderError, "compression: 'zstd'"),

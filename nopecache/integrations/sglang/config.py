@@ -86,6 +86,12 @@ class BackendConfig:
             client = ClientConfig.from_url(url)
         except InvalidArgumentError as err:
             raise SGLangConfigError("url", f"is not a valid nopecache URL: {err}") from None
+        if client.kv_codec != "none":
+            # HiCache pages are SGLang's own bytes under SGLang's page hashes: no codec
+            # applies, and SGLang would reuse them as exact.
+            raise SGLangConfigError(
+                "url", f"kv_codec={client.kv_codec} does not apply to SGLang's pages (use none)"
+            )
         changes: dict[str, Any] = {}
         for key in _TIMEOUTS:
             if key not in extra:

@@ -40,6 +40,9 @@ blend claim's range, salt vLLM's block hashes from the first approximate block o
 engine's own prefix cache never serves them (or anything computed after them) as exact to
 the next request, and the request stores nothing from there (a multi-turn chat's next
 turn would otherwise find them as local hits, claim nothing, and store them as exact).
+With a compact stored form (the client URL's ``kv_codec``, fp8 or K16/V8) every block the
+client finds is approximate, exact prefixes included: a claim is approximate from its
+first block (``_compact``).
 
 Prefill/decode (``pd/``). A ``kv_producer`` marks its saves to be acknowledged and, when
 the request finishes, answers ``kv_transfer_params`` naming the whole blocks a decode engine
@@ -432,7 +435,9 @@ class SchedulerSide:
         claim = Claim(tokens, trim_plan(plan, end), num_computed_tokens, end)
         if self.config.blend:
             claim = self._blend_claim(request, plan, claim, limit)
-        elif end > max(plan.prefix_end, num_computed_tokens):
+        if self._compact and not claim.blend and claim.end > num_computed_tokens:
+            self._salt_from(request, num_computed_tokens // bs)  # compact: every block
+        elif not self.config.blend and end > max(plan.prefix_end, num_computed_tokens):
             # Position-independent blocks claimed: approximate from the first of them on.
             self._salt_from(request, max(plan.prefix_end, num_computed_tokens) // bs)
         self._claims[req_id] = claim
@@ -472,7 +477,7 @@ class SchedulerSide:
             return prefix
         # The loop's rows match vLLM's own to rounding, not bit for bit: from its first
         # position on, nothing is stored and vLLM's prefix cache files nothing as exact.
-        approximate_from = layout.prefix_end
+        approximate_from = start if self._compact else layout.prefix_end
         self._salt_from(request, approximate_from // bs)
         return Claim(
             prefix.tokens,
@@ -483,6 +488,11 @@ class SchedulerSide:
             pi_tokens=layout.num_pi,
             approximate_from=approximate_from,
         )
+
+    @property
+    def _compact(self) -> bool:
+        """Whether the client stores and loads a compact form: approximate, prefixes too."""
+        return self.config.client.kv_codec != "none"
 
     def _salt_from(self, request: Request, first: int) -> None:
         """Salt the request's block hashes from block ``first`` on (a retried claim keeps
@@ -531,7 +541,9 @@ class SchedulerSide:
                 approximate_from = claim.approximate_from
             else:
                 self.totals.claimed_pi_tokens += load.pi_tokens
-                if load.pi_tokens:
+                if self._compact:
+                    approximate_from = claim.start
+                elif load.pi_tokens:
                     approximate_from = max(claim.start, claim.plan.prefix_end)
         prompt = compat.prompt_token_ids(request)
         tracked = self._tracked.get(req_id)

@@ -119,6 +119,7 @@ def test_hung_server_gives_misses_within_the_timeouts(
         ({"url": "nopecache://127.0.0.1:1", "token": ["t"]}, "token"),
         ({"url": "nopecache://127.0.0.1:1", "interface_v1": 2}, "interface_v1"),
         ({"url": "nopecache://127.0.0.1:1", "model": ""}, "model"),
+        ({"url": "nopecache://127.0.0.1:1?kv_codec=fp8"}, "url"),  # pages take no codec
     ],
 )
 def test_bad_extra_config_is_refused_naming_the_key(
