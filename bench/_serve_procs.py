@@ -78,8 +78,12 @@ class ServeProc:
         kv_transfer: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         max_model_len: int = 4096,
+        dtype: str = "bfloat16",
+        prefix_caching: bool = True,
     ) -> None:
         self.name = name
+        self.dtype = dtype
+        self.prefix_caching = prefix_caching
         self.model = model
         self.cpu = cpu
         self.log_path = log_path
@@ -95,11 +99,12 @@ class ServeProc:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        """The command line (prefix caching on, bf16, eager, one seed for every engine)."""
+        """The command line (prefix caching on and bf16 unless set, eager, one seed)."""
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
         cmd += ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
-        cmd += ["--max-model-len", str(self.max_model_len), "--enable-prefix-caching"]
+        cmd += ["--dtype", self.dtype, "--enforce-eager", "--seed", "0"]
+        cmd += ["--max-model-len", str(self.max_model_len)]
+        cmd += ["--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         cmd += ["--uvicorn-log-level", "warning"]
         if self.kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]

@@ -167,6 +167,13 @@ class CacheClient:
             self._loop,
         )
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` (one of :attr:`core`'s) on the client's loop; its future, at once."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise InvalidArgumentError("CacheClient", "called from its own loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def fetch(
         self, plan: ReusePlan, tokens: TokenIds, *, into: PagedKV | None = None
     ) -> FetchResult:
@@ -204,6 +211,33 @@ class CacheClient:
         if not wait:
             return self._core.enqueue_store(job)
         return self._call(self._core.store_prepared(job))
+
+    def submit_store(
+        self,
+        tokens: TokenIds,
+        kv: tuple[torch.Tensor, torch.Tensor | None],
+        positions: Positions = 0,
+        *,
+        form: KForm = "nope",
+        segments: Sequence[int] | None = None,
+        namespace: Namespace | None = None,
+        position_independent: bool = True,
+        identity: InputIdentity | None = None,
+    ) -> concurrent.futures.Future[StoreReport]:
+        """Start :meth:`store` on the client's loop and return at once: a future that
+        completes when the servers acknowledged it (outside the store queue's budget:
+        the caller holds what the store needs until then)."""
+        job = self._core.prepare_store(
+            tokens,
+            kv,
+            positions,
+            form=form,
+            segments=segments,
+            namespace=namespace,
+            position_independent=position_independent,
+            identity=identity,
+        )
+        return self.submit(self._core.store_prepared(job))
 
     def prefetch(
         self,

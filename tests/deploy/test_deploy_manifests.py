@@ -65,6 +65,7 @@ PROXY_CONFIG_PATH = "/usr/local/etc/haproxy/haproxy.cfg"
 K8S_VERSION = "1.31"
 OVERLAYS = ("single", "cluster")
 COMPOSED = "cluster+gpu+servicemonitor+disk"
+PD = "pd"  # the single overlay plus prefill and decode engines and the P/D proxy
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 ENGINE_LABEL = {"nopecache.io/client": "true"}
 SERVER_LABELS = {"app.kubernetes.io/name": "nopecache", "app.kubernetes.io/component": "server"}
@@ -98,7 +99,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
         ],
     }
     (composed / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    out = {name: _kustomize(K8S / "overlays" / name) for name in OVERLAYS}
+    out = {name: _kustomize(K8S / "overlays" / name) for name in (*OVERLAYS, PD)}
     out["base"] = _kustomize(K8S / "base")
     out[COMPOSED] = _kustomize(composed)
     return out
@@ -243,6 +244,11 @@ EXPECTED["cluster"] = EXPECTED["base"] | {
     ("Job", "nopecache-redis-cluster-init"),
 }
 EXPECTED[COMPOSED] = EXPECTED["cluster"] | {("ServiceMonitor", "nopecache")}
+EXPECTED[PD] = EXPECTED["single"] | {
+    (kind, name)
+    for kind in ("Deployment", "Service")
+    for name in ("vllm-prefill", "vllm-decode", "nopecache-pd-proxy")
+}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -531,7 +537,7 @@ def test_redis_config_matches_its_pod(rendered: dict[str, list[Obj]], name: str)
 
 
 # -- security and wiring -------------------------------------------------------------------
-@pytest.mark.parametrize("name", [*OVERLAYS, COMPOSED])
+@pytest.mark.parametrize("name", [*OVERLAYS, COMPOSED, PD])
 def test_every_pod_is_locked_down(rendered: dict[str, list[Obj]], name: str) -> None:
     for where, pod in pod_specs(rendered[name]):
         spec = pod["spec"]
@@ -558,7 +564,7 @@ def test_server_image_tag_is_the_package_version(rendered: dict[str, list[Obj]])
         assert server_container(rendered[name])["image"] == f"nopecache:{server_version()}"
 
 
-@pytest.mark.parametrize("name", [*OVERLAYS, COMPOSED])
+@pytest.mark.parametrize("name", [*OVERLAYS, COMPOSED, PD])
 def test_selectors_select_their_pods(rendered: dict[str, list[Obj]], name: str) -> None:
     objs = rendered[name]
     pods = dict(pod_specs(objs))
@@ -708,3 +714,55 @@ def test_cluster_init_creates_the_cluster_once_from_the_rendered_config(
     finally:
         for node in nodes:
             node.kill()
+
+
+# -- prefill/decode ------------------------------------------------------------------------
+def _arg(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+def test_pd_engines_take_their_roles_and_reach_the_servers(rendered: dict[str, list[Obj]]) -> None:
+    from nopecache.integrations.vllm.config import ConnectorConfig
+
+    objs = rendered[PD]
+    headless = find(objs, "Service", "nopecache-headless")
+    (grpc_port,) = [p["port"] for p in headless["spec"]["ports"] if p["name"] == "grpc"]
+    policy = find(objs, "NetworkPolicy", "nopecache")
+    (grpc_rule,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc"]
+    (admitted,) = [source["podSelector"]["matchLabels"] for source in grpc_rule["from"]]
+    for name, role in (("vllm-prefill", "kv_producer"), ("vllm-decode", "kv_consumer")):
+        pod = find(objs, "Deployment", name)["spec"]["template"]
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == f"nopecache-vllm:{server_version()}"
+        (raw,) = _arg(container["args"], "--kv-transfer-config")
+        transfer = json.loads(raw)
+        assert transfer["kv_role"] == role
+        assert transfer["kv_connector_module_path"] == "nopecache.integrations.vllm"
+        # The connector's own validation: a key contradicting the role would fail here.
+        config = ConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"], role)
+        assert config.role == role and config.client.discover == "dns"
+        assert (config.load, config.save) == (role == "kv_consumer", role == "kv_producer")
+        host, port = config.client.servers[0].rsplit(":", 1)
+        assert host == f"{headless['metadata']['name']}.nopecache.svc.cluster.local"
+        assert int(port) == grpc_port
+        assert labels_match(admitted, pod["metadata"]["labels"])  # the policy admits it
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_pd_proxy_names_the_engine_services(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered[PD]
+    (container,) = find(objs, "Deployment", "nopecache-pd-proxy")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert container["command"] == ["nopecache-pd-proxy"]
+    assert container["image"] == f"nopecache-vllm:{server_version()}"
+    args = container["args"]
+    assert int(_arg(args, "--port")[0]) == ports_by_name(container)["http"]
+    for flag, name in (("--prefill", "vllm-prefill"), ("--decode", "vllm-decode")):
+        (url,) = _arg(args, flag)
+        parts = urlsplit(url)
+        service = find(objs, "Service", name)
+        assert parts.hostname == name
+        assert [p["port"] for p in service["spec"]["ports"]] == [parts.port]
+        engine = find(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+        assert service["spec"]["ports"][0]["targetPort"] in ports_by_name(engine)

@@ -56,6 +56,7 @@ class _Engine:
         blend_unsupported: str | None = None,
         layout: str = "flash",
         device: str = "cpu",
+        kv_role: str = "kv_both",
         **extra: Any,
     ) -> None:
         """``layout``: "flash" (FlashAttention's ``[2, blocks, block_size, heads, dim]``) or
@@ -63,7 +64,7 @@ class _Engine:
         caches live on ``device``."""
         model = _identity()
         self.config = ConnectorConfig.from_extra_config(
-            {"url": f"nopecache://{server.address}{query}", **extra}
+            {"url": f"nopecache://{server.address}{query}", **extra}, kv_role
         )
         self.client = CacheClient(
             self.config.client,
@@ -104,6 +105,15 @@ class _Engine:
 
     def step(self, request: Any, block_ids: list[int], computed: int) -> Any:
         """Schedule the whole prompt of ``request`` in one step; run load and save."""
+        out = self.plan_step(request, block_ids, computed)
+        self.worker.begin_step()
+        self.load(out.plan)
+        self.worker.save(out.plan)
+        self.client.drain()
+        return out
+
+    def plan_step(self, request: Any, block_ids: list[int], computed: int) -> Any:
+        """The scheduler half of :meth:`step`: claim, allocate and plan, nothing run."""
         claimed = self.matched(request, computed)
         self.scheduler.after_alloc(request, block_ids, claimed)
         n = len(request.prompt_token_ids)
@@ -122,10 +132,6 @@ class _Engine:
             total_num_scheduled_tokens=n - computed - claimed,
         )
         plan = self.scheduler.build_step(output)
-        self.worker.begin_step()
-        self.load(plan)
-        self.worker.save(plan)
-        self.client.drain()
         return SimpleNamespace(claimed=claimed, plan=plan)
 
     def load(self, plan: Any) -> None:
@@ -151,6 +157,11 @@ def run_loads(worker: WorkerSide, plan: Any) -> None:
         time.sleep(0.001)
 
 
-def _request(req_id: str, tokens: list[int]) -> Any:
+def _request(req_id: str, tokens: list[int], kv_transfer_params: Any = None) -> Any:
     hashes = [f"h{tuple(tokens[: (i + 1) * BS])}".encode() for i in range(len(tokens) // BS)]
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, block_hashes=hashes)
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        block_hashes=hashes,
+        kv_transfer_params=kv_transfer_params,
+    )

@@ -65,6 +65,8 @@ __all__ = [
     "kv_cache_dtype",
     "kv_events",
     "kv_events_enabled",
+    "kv_role",
+    "kv_transfer_params",
     "layer_rotary",
     "llama_modules",
     "lora_label",
@@ -232,10 +234,21 @@ def recompute_load_failures(transfer: KVTransferConfig) -> bool:
     return True
 
 
+def kv_role(transfer: KVTransferConfig) -> str | None:
+    """vLLM's ``kv_role`` (kv_both, kv_producer, kv_consumer; None when unset)."""
+    return transfer.kv_role
+
+
 # -- requests and scheduler steps -----------------------------------------------------
 def request_id(request: Request) -> str:
     """The request's id."""
     return request.request_id
+
+
+def kv_transfer_params(request: Request) -> Mapping[str, Any] | None:
+    """The ``kv_transfer_params`` the request arrived with (a P/D proxy's hand-off)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, Mapping) else None
 
 
 def prompt_token_ids(request: Request) -> tuple[int, ...]:

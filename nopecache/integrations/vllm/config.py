@@ -60,6 +60,13 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      below the GPU; "shared_storage" for llm-d's weight
                                      of a shared tier)
 
+    handoff_deadline_ms
+                 float  5000.0       prefill/decode hand-off (kv_consumer, kv_both): how
+                                     long a request that arrives with a producer's
+                                     ``kv_transfer_params`` waits for the blocks they
+                                     name to land (the request waits, the batch steps);
+                                     missing then, the rest is recomputed (pd/)
+
     kv_head_group
                  int    (a rank's    KV heads per stored block (head_groups.py): every
                         heads)       rank stores and fetches its own heads as blocks of
@@ -69,6 +76,13 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      num_kv_heads / the largest TP of the fleet). Unset:
                                      one block per chunk and rank, shared only with
                                      engines of the same TP size
+
+vLLM's own ``kv_role`` sets what the engine does (``ConnectorConfig.from_extra_config``'s
+``kv_role``): ``kv_both`` loads and stores; ``kv_producer`` (a prefill engine) stores and
+never loads, holds each request's blocks until its store is acknowledged and hands the
+stored blocks to the decode engine in ``kv_transfer_params`` (``pd/``); ``kv_consumer`` (a
+decode engine) loads and never stores. A key that contradicts the role (``load`` true or a
+loading key on a producer, ``save`` true on a consumer) is refused, naming it.
 
 Anything else, a wrong type or a bad value raises :class:`ConnectorConfigError` at
 start-up, naming the key. The model fingerprint comes from vLLM's ``VllmConfig``, never
@@ -111,6 +125,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ConnectorConfig",
     "ConnectorConfigError",
+    "KvRole",
     "ModelIdentity",
     "PiReuse",
     "UnsupportedEngineError",
@@ -118,6 +133,20 @@ __all__ = [
 ]
 
 PiReuse = Literal["off", "contiguous", "blend"]
+KvRole = Literal["kv_both", "kv_producer", "kv_consumer"]
+KV_ROLES: tuple[str, ...] = ("kv_both", "kv_producer", "kv_consumer")
+DEFAULT_HANDOFF_DEADLINE_MS = 5000.0
+"""How long a decode request waits for its prefill's blocks by default (a store of a
+long prompt over a loaded network takes well under a second; five covers a slow one)."""
+# Keys that only make sense on an engine that loads: refused on a kv_producer.
+_LOADING_KEYS = (
+    "load_async",
+    "lookup_wait_ms",
+    "handoff_deadline_ms",
+    "recompute_policy",
+    "recompute_budget",
+    "blend_check_share",
+)
 DEFAULT_CHECK_SHARE = 0.01
 """Blended requests re-checked against a full prefill by default: one in a hundred."""
 _PI_REUSE: tuple[str, ...] = ("off", "contiguous", "blend")
@@ -141,6 +170,32 @@ def _token_ids(key: str, value: object) -> frozenset[int]:
     ):
         raise ConnectorConfigError(key, f"must be a list of token ids (ints >= 0), got {value!r}")
     return frozenset(value)
+
+
+def _role(kv_role: str | None, extra: Mapping[str, Any]) -> KvRole:
+    """vLLM's ``kv_role``, checked against the keys that contradict it."""
+    role = "kv_both" if kv_role is None else kv_role
+    if role not in KV_ROLES:
+        raise ConnectorConfigError(
+            "kv_role", f"must be one of {', '.join(KV_ROLES)}, got {kv_role!r}"
+        )
+    if role == "kv_producer":
+        if extra.get("load", False) is not False:
+            raise ConnectorConfigError(
+                "load", "kv_role='kv_producer' stores and never loads: remove load or set false"
+            )
+        if extra.get("pi_reuse", "off") != "off":
+            raise ConnectorConfigError(
+                "pi_reuse", "kv_role='kv_producer' never loads: remove pi_reuse (or set 'off')"
+            )
+        for key in _LOADING_KEYS:
+            if key in extra:
+                raise ConnectorConfigError(key, "kv_role='kv_producer' never loads: remove it")
+    if role == "kv_consumer" and extra.get("save", False) is not False:
+        raise ConnectorConfigError(
+            "save", "kv_role='kv_consumer' loads and never stores: remove save or set false"
+        )
+    return role  # type: ignore[return-value]  # checked against KV_ROLES
 
 
 def _namespace(client: ClientConfig, given: object) -> str:
@@ -180,6 +235,8 @@ class ConnectorConfig:
     rope_override: Mapping[str, Any] | None = None
     blend_check_share: float = DEFAULT_CHECK_SHARE
     kv_head_group: int | None = None
+    role: KvRole = "kv_both"
+    handoff_deadline_ms: float = DEFAULT_HANDOFF_DEADLINE_MS
 
     KEYS = (
         "url",
@@ -196,15 +253,20 @@ class ConnectorConfig:
         "rope_override",
         "blend_check_share",
         "kv_head_group",
+        "handoff_deadline_ms",
     )
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Parse and validate ``kv_connector_extra_config``; raises ConnectorConfigError."""
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
+    ) -> ConnectorConfig:
+        """Parse and validate ``kv_connector_extra_config`` for vLLM's ``kv_role``;
+        raises ConnectorConfigError naming the key."""
         if extra is None:
             extra = {}
         if not isinstance(extra, Mapping):
             raise ConnectorConfigError("*", f"must be a JSON object, got {type(extra).__name__}")
+        role = _role(kv_role, extra)
         for key in extra:
             if key not in cls.KEYS:
                 raise ConnectorConfigError(
@@ -279,9 +341,21 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 "kv_head_group", f"must be a number of KV heads >= 1, got {group!r}"
             )
+        deadline = extra.get("handoff_deadline_ms", DEFAULT_HANDOFF_DEADLINE_MS)
+        if (
+            isinstance(deadline, bool)
+            or not isinstance(deadline, int | float)
+            or not 0.0 <= deadline <= 6e5
+        ):
+            raise ConnectorConfigError(
+                "handoff_deadline_ms",
+                f"must be a number of milliseconds in [0, 600000], got {deadline!r}",
+            )
         namespace = _namespace(client, extra.get("namespace"))
         return cls(
             client=replace(client, namespace=namespace),
+            role=role,
+            handoff_deadline_ms=float(deadline),
             kv_head_group=group,
             lookup_wait_ms=float(wait),
             kv_event_medium=medium,
@@ -291,11 +365,16 @@ class ConnectorConfig:
             recompute_policy=policy,
             recompute_budget=float(budget),
             namespace=namespace,
-            load=_bool("load", extra.get("load", True)),
+            load=_bool("load", extra.get("load", role != "kv_producer")),
             load_async=_bool("load_async", extra.get("load_async", True)),
-            save=_bool("save", extra.get("save", True)),
+            save=_bool("save", extra.get("save", role != "kv_consumer")),
             segment_token_ids=_token_ids("segment_token_ids", extra.get("segment_token_ids", [])),
         )
+
+    @property
+    def producer(self) -> bool:
+        """A prefill engine: stores, holds blocks until stored, hands them off."""
+        return self.role == "kv_producer"
 
     @property
     def blend(self) -> bool:

@@ -142,7 +142,9 @@ class NopecacheConnector(KVConnectorBase_V1):
         """Validate the extra config and the model, and connect the client."""
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self.settings = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.settings = ConnectorConfig.from_extra_config(
+            transfer.kv_connector_extra_config, compat.kv_role(transfer)
+        )
         self.model: ModelIdentity = model_identity(
             vllm_config, self.settings.kv_head_group, self.settings.rope_override
         )
@@ -195,7 +197,7 @@ class NopecacheConnector(KVConnectorBase_V1):
                 self._worker.refuse_blend(blend_unsupported)
         log.info(
             "nopecache connector (%s, TP rank %d/%d): %s, model %s %s, block %d, "
-            "pi_reuse=%s, KV heads %s in groups of %d",
+            "pi_reuse=%s, %s, KV heads %s in groups of %d",
             role.name,
             tp_rank,
             self.model.tp_size,
@@ -204,6 +206,7 @@ class NopecacheConnector(KVConnectorBase_V1):
             self.model.fingerprint.dtype,
             self.model.block_size,
             self.settings.pi_reuse,
+            self.settings.role,
             [f"{g.fingerprint.kv_head_start}+{g.num_heads}" for g in groups],
             self.model.group_size,
         )
@@ -289,8 +292,10 @@ class NopecacheConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose background loads ended (failed ones too: their blocks are in
         get_block_ids_with_load_errors in the same step)."""
-        done = self._worker_side().finished_loads()
-        return None, done or None
+        worker = self._worker_side()
+        done = worker.finished_loads()
+        sending = worker.acks.finished(finished_req_ids)  # a producer's acknowledged stores
+        return sending or None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose claimed load failed this step (vLLM recomputes them)."""
@@ -367,9 +372,14 @@ class NopecacheConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Stores copy their KV at once, so blocks can be freed now."""
-        self._scheduler_side().finished([compat.request_id(request)])
-        return False, None
+        """kv_both and kv_consumer: stores copy their KV at once, the blocks are freed now.
+        kv_producer: the blocks are held until the store is acknowledged, and the params
+        name them for the decode engine (pd/handoff.py)."""
+        side = self._scheduler_side()
+        req_id = compat.request_id(request)
+        delay, params = side.handoff_params(req_id)
+        side.finished([req_id])
+        return delay, params
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """BlockStored for blocks this engine stored, BlockRemoved for those since gone

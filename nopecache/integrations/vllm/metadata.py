@@ -65,6 +65,7 @@ class SaveSpec:
     tokens: tuple[int, ...]
     block_ids: tuple[int, ...]
     identity: InputIdentity = field(default_factory=InputIdentity)  # what else shapes the KV
+    ack: bool = False  # a producer's: report the request in get_finished once stored
 
 
 @dataclass(frozen=True, slots=True)

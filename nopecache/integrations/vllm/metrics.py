@@ -123,6 +123,10 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "recomputed_token_layers": "Of those token-layers, the ones the blend loop recomputed",
         "blend_fallbacks": "Requests whose blend claim was refused or fell back to the prefix",
         "blend_checks": "Blended requests re-checked against a full prefill (sampled)",
+        "pd_handoffs": "Decode requests that arrived with a prefill engine's hand-off",
+        "pd_deadline_misses": "Hand-offs whose blocks had not all landed by the deadline",
+        "pd_missing_tokens": "Prompt tokens a hand-off named that were recomputed instead",
+        "pd_bad_handoffs": "Hand-offs malformed or not matching the request's own keys",
         "rope_check_failed": (
             "Workers whose start-up RoPE check turned position-independent reuse off"
         ),

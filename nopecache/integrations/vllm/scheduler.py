@@ -44,6 +44,17 @@ With a compact stored form (the client URL's ``kv_codec``, fp8 or K16/V8) every 
 client finds is approximate, exact prefixes included: a claim is approximate from its
 first block (``_compact``).
 
+Prefill/decode (``pd/``). A ``kv_producer`` marks its saves to be acknowledged and, when
+the request finishes, answers ``kv_transfer_params`` naming the whole blocks a decode engine
+claims (``HandOff``: count and keys digest) with ``delay_free_blocks`` (the worker frees
+them once the servers acknowledged the store). A request that arrives with such params
+is looked up by ``wait_for_prefix`` until those blocks landed or ``handoff_deadline_ms``
+passed, answering "not yet" meanwhile like any lookup in flight; what is still missing
+then is recomputed (``pd_deadline_misses``, ``pd_missing_tokens``, logged once). Params
+that do not match the request's own keys (another model, namespace, adapter or prompt)
+are not waited on (``pd_bad_handoffs``, logged once): the request is looked up as a
+plain one, as is every request without params.
+
 vLLM's ``Request`` and ``SchedulerOutput`` are read through ``compat`` only (the unit
 tests hand in stand-ins with the same attributes).
 
@@ -55,9 +66,10 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from nopecache.client.chunking import ChunkSpan, token_array
 from nopecache.client.errors import NopecacheError
@@ -70,6 +82,7 @@ from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
 from nopecache.integrations.vllm.events import AnnouncedBlocks
 from nopecache.integrations.vllm.identity import SKIP_REASONS, request_identity
 from nopecache.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan, StepReport
+from nopecache.integrations.vllm.pd import HandOff, keys_digest, wait_for_prefix
 from nopecache.integrations.vllm.rates import MeasuredRates
 
 if TYPE_CHECKING:
@@ -96,6 +109,10 @@ SCHEDULER_COUNTERS = (
     "claimed_pi_tokens",
     "blend_claimed_tokens",
     "blend_fallbacks",
+    "pd_handoffs",
+    "pd_deadline_misses",
+    "pd_missing_tokens",
+    "pd_bad_handoffs",
     *SKIP_COUNTERS,
 )
 
@@ -187,6 +204,10 @@ class ConnectorTotals:
     claimed_pi_tokens: int = 0
     blend_claimed_tokens: int = 0
     blend_fallbacks: int = 0
+    pd_handoffs: int = 0  # requests that arrived with a producer's hand-off and waited
+    pd_deadline_misses: int = 0  # of those, still short of the named blocks at the deadline
+    pd_missing_tokens: int = 0  # the tokens they lacked (recomputed)
+    pd_bad_handoffs: int = 0  # hand-offs malformed or not matching the request's keys
     skipped: dict[str, int] = field(default_factory=dict)  # SKIP_REASONS -> requests
     report: StepReport = field(default_factory=StepReport)
 
@@ -227,6 +248,9 @@ class SchedulerSide:
         self._identities: dict[str, InputIdentity | str] = {}  # request -> identity or reason
         self._logged_reasons: set[str] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed: never reclaimed
+        self._waiting: dict[str, int] = {}  # request -> tokens its hand-off named (in flight)
+        self._handed: set[str] = set()  # requests whose hand-off was waited on: once only
+        self._handing: dict[str, HandOff | None] = {}  # producer: saved requests' hand-offs
         self.totals = ConnectorTotals()
         self._reported: dict[str, int] = {}
         per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
@@ -299,13 +323,7 @@ class SchedulerSide:
         pending = self._lookups.get(req_id)
         if pending is None:
             self.totals.lookups += 1
-            pending = self._lookups[req_id] = self.client.submit_lookup(
-                tokens,
-                segments=self.config.segments(tokens),
-                namespace=self.config.namespace,
-                allow_position_independent=self.position_independent,
-                identity=identity,
-            )
+            pending = self._lookups[req_id] = self._submit(request, tokens, identity, limit)
         try:
             plan = pending.result(timeout=self.config.lookup_wait_ms / 1000)
         except TimeoutError:
@@ -316,7 +334,87 @@ class SchedulerSide:
             log.warning("nopecache lookup failed for %s: %s", req_id, err)
             return 0
         del self._lookups[req_id]
+        self._waited(req_id, plan)
         return self._claim(request, tokens, plan, num_computed_tokens, limit)
+
+    def _submit(
+        self, request: Request, tokens: Sequence[int], identity: InputIdentity, limit: int
+    ) -> concurrent.futures.Future[ReusePlan]:
+        """Start the request's lookup: one, or repeated until its hand-off's blocks land."""
+        assert self.client is not None
+        client = self.client
+
+        def lookup() -> Coroutine[Any, Any, ReusePlan]:
+            return client.core.lookup(
+                tokens,
+                segments=self.config.segments(tokens),
+                namespace=self.config.namespace,
+                allow_position_independent=self.position_independent,
+                identity=identity,
+            )
+
+        req_id = compat.request_id(request)
+        # Looked up again (preempted, or its load failed): the blocks had their deadline.
+        handoff = (
+            None if req_id in self._handed else self._handoff(request, tokens, identity, limit)
+        )
+        if handoff is None:
+            return client.submit(lookup())
+        self.totals.pd_handoffs += 1
+        self._handed.add(req_id)
+        self._waiting[req_id] = handoff.tokens
+        deadline = time.monotonic() + self.config.handoff_deadline_ms / 1000
+        return client.submit(wait_for_prefix(lookup, handoff.tokens, deadline))
+
+    def _handoff(
+        self, request: Request, tokens: Sequence[int], identity: InputIdentity, limit: int
+    ) -> HandOff | None:
+        """The producer's hand-off the request carries, checked against its own keys."""
+        found = HandOff.from_params(compat.kv_transfer_params(request))
+        if found is None:
+            return None
+        reason = found if isinstance(found, str) else None
+        if isinstance(found, HandOff):
+            bs = self.model.block_size
+            if found.block_size != bs:
+                reason = f"block_size {found.block_size}, this engine's is {bs}"
+            elif found.tokens > limit:
+                reason = f"{found.tokens} tokens named, the prompt claims at most {limit}"
+            elif keys_digest(self.block_keys(tokens[: found.tokens], identity)) != found.digest:
+                reason = "the keys differ (another model, namespace, adapter or prompt)"
+        if reason is None:
+            return cast(HandOff, found)
+        self.totals.pd_bad_handoffs += 1
+        self._log_once(
+            "bad_handoff",
+            "nopecache: a prefill hand-off was not used (%s); such requests are looked up "
+            "as plain ones, counted as vllm:nopecache_pd_bad_handoffs",
+            reason,
+        )
+        return None
+
+    def _waited(self, req_id: str, plan: ReusePlan) -> None:
+        """Count a hand-off whose blocks were still missing at its deadline."""
+        need = self._waiting.pop(req_id, None)
+        if need is None or plan.prefix_end >= need:
+            return
+        self.totals.pd_deadline_misses += 1
+        self.totals.pd_missing_tokens += need - plan.prefix_end
+        self._log_once(
+            "deadline",
+            "nopecache: %s: %d of the %d tokens its prefill stored had not landed after "
+            "handoff_deadline_ms=%.0f; recomputing them (counted as "
+            "vllm:nopecache_pd_deadline_misses)",
+            req_id,
+            need - plan.prefix_end,
+            need,
+            self.config.handoff_deadline_ms,
+        )
+
+    def _log_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._logged_reasons:
+            self._logged_reasons.add(what)
+            log.warning(message, *args)
 
     def _claim(
         self,
@@ -483,6 +581,8 @@ class SchedulerSide:
         identity = tracked.identity
         if end <= 0 or not self.config.save or isinstance(identity, str):
             return None
+        if self.config.producer:
+            self._handing[req_id] = self._handoff_of(tracked, end, identity)
         # vLLM hashes whole blocks only: the KV event announces those.
         whole = end // bs
         hashes = tuple((compat.block_hashes(tracked.request) or [])[:whole])
@@ -496,7 +596,27 @@ class SchedulerSide:
                 lora=compat.lora_label(tracked.request),
                 extra_keys=compat.event_extra_keys(tracked.request, len(hashes), bs),
             )
-        return SaveSpec(req_id, tokens, tuple(tracked.block_ids[: -(-end // bs)]), identity)
+        blocks = tuple(tracked.block_ids[: -(-end // bs)])
+        return SaveSpec(req_id, tokens, blocks, identity, ack=self.config.producer)
+
+    def _handoff_of(self, tracked: _Tracked, end: int, identity: InputIdentity) -> HandOff | None:
+        """What a decode engine will claim of the saved ``[0, end)``: every whole block
+        before the prompt's last token (None: not one)."""
+        bs = self.model.block_size
+        blocks = min(end, len(tracked.tokens) - 1) // bs
+        if blocks < 1:
+            return None
+        keys = self.block_keys(tracked.tokens[: blocks * bs], identity)
+        return HandOff(blocks, bs, keys_digest(keys))
+
+    def handoff_params(self, req_id: str) -> tuple[bool, dict[str, Any] | None]:
+        """A finishing request's ``(delay_free_blocks, kv_transfer_params)``: a producer
+        holds the blocks of every request it stored until the store is acknowledged
+        (the worker reports it, ``pd.StoreAcks``) and names them for the decode engine."""
+        if req_id not in self._handing:
+            return False, None
+        handoff = self._handing.pop(req_id)
+        return True, None if handoff is None else handoff.to_params()
 
     def build_step(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """The loads and saves of this step; resets the pending loads."""
@@ -537,6 +657,9 @@ class SchedulerSide:
             self._salted.pop(req_id, None)
             self._identities.pop(req_id, None)
             self._failed_loads.discard(req_id)
+            self._waiting.pop(req_id, None)
+            self._handed.discard(req_id)
+            self._handing.pop(req_id, None)
 
     def take_counters(self) -> dict[str, int]:
         """The scheduler counters (SCHEDULER_COUNTERS) gained since the last call."""

@@ -75,6 +75,7 @@ from nopecache.integrations.vllm.metadata import (
     StepReport,
     slots_for,
 )
+from nopecache.integrations.vllm.pd import StoreAcks
 from nopecache.integrations.vllm.quality import BlendCheck, QualityWatch
 from nopecache.kernels.rope_check import EngineRotation, RopeCheck, check_positions, check_rope
 from nopecache.recompute.gate import DEFAULT_THRESHOLDS, GateVerdict
@@ -155,6 +156,7 @@ class WorkerSide:
         self.gate: GateVerdict | None = None  # the correctness gate's verdict (gate.py)
         self.quality: QualityWatch | None = None  # sampled blend checks (quality.py)
         self.blend_unavailable: str | None = "blend mode is off" if not config.blend else None
+        self.acks = StoreAcks()  # a producer's stores until acknowledged (pd/acks.py)
         # Why position-independent store and load are off (None: on); rope_check.py.
         self.pi_refused: str | None = None
         self.rope_check: RopeCheck | None = None
@@ -373,6 +375,7 @@ class WorkerSide:
             return
         mask = result.mask[spec.start : spec.end]
         placed = int(mask.sum())
+        loaded_end = spec.end
         if placed != len(claimed):
             missing = [spec.start + int(i) for i in torch.nonzero(~mask).flatten()]
             log.warning(
@@ -382,8 +385,11 @@ class WorkerSide:
                 spec.req_id,
             )
             self._fail(spec, range(min(missing), spec.end))
+            # vLLM recomputes from the failed position's block on: only before it loaded.
+            loaded_end = min(missing) - min(missing) % self.model.block_size
         with self._lock:
-            self._report.loaded_exact_tokens += spec.exact_tokens
+            exact_end = min(spec.plan.prefix_end, loaded_end)
+            self._report.loaded_exact_tokens += max(0, exact_end - spec.start)
             self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
             self._report.loaded_bytes += result.nbytes
 
@@ -492,6 +498,9 @@ class WorkerSide:
                     log.exception("nopecache: saving %s failed; not stored", spec.req_id)
                     with self._lock:
                         self._report.save_failures += 1
+        for spec in plan.saves:
+            if spec.ack:  # vLLM holds its blocks until reported: report even if not stored
+                self.acks.ensure(spec.req_id)
         self._end_step(plan)
 
     def _save_one(self, spec: SaveSpec) -> None:
@@ -507,15 +516,30 @@ class WorkerSide:
             else:  # one group of the rank's heads, as its own block
                 heads = slice(group.local_start, group.local_start + group.num_heads)
                 gk, gv = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
+            segments = self.config.segments(spec.tokens)
+            pi = self.pi_refused is None
             try:
+                if spec.ack:  # a producer's: the blocks are held until it is acknowledged
+                    future = client.submit_store(
+                        spec.tokens,
+                        (gk, gv),
+                        0,
+                        form="rope",
+                        segments=segments,
+                        namespace=self.config.namespace,
+                        position_independent=pi,
+                        identity=spec.identity,
+                    )
+                    self.acks.add(spec.req_id, future)
+                    continue
                 report = client.store(
                     spec.tokens,
                     (gk, gv),
                     0,
                     form="rope",
-                    segments=self.config.segments(spec.tokens),
+                    segments=segments,
                     namespace=self.config.namespace,
-                    position_independent=self.pi_refused is None,
+                    position_independent=pi,
                     wait=False,
                     identity=spec.identity,
                 )
