@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from nopecache.client.chunking import ChunkSpan, TokenIds, token_array
 from nopecache.client.errors import InvalidArgumentError
 from nopecache.client.fingerprint import ModelFingerprint
+from nopecache.client.identity import InputIdentity
 from nopecache.client.keyplan import pi_fingerprint
 from nopecache.client.keys import Namespace, content_chunks, prefix_chunks
 from nopecache.client.plan import Hit, ReusePlan
@@ -93,24 +94,27 @@ def rekey_plan(
     tokens: TokenIds,
     fingerprint: ModelFingerprint,
     namespace: Namespace,
+    identity: InputIdentity | None = None,
 ) -> ReusePlan:
     """``plan`` with every hit's key recomputed under ``fingerprint`` (same spans, forms;
     no ``dropped`` hits).
 
     ``tokens`` is the prompt the plan was made for; ``fingerprint`` the exact-prefix one
-    (position-independent hits are keyed under its NOPE form, as the client keys them).
+    (position-independent hits are keyed under its NOPE form, as the client keys them);
+    ``identity`` the one the plan was looked up with (without it an adapter's or an
+    image's plan would be re-keyed to plain-text blocks of the same tokens).
     """
     arr = token_array(tokens)
     if len(arr) != plan.num_tokens:
         raise InvalidArgumentError(
             "tokens", f"{len(arr)} tokens, the plan covers {plan.num_tokens}"
         )
-    chain = prefix_chunks(fingerprint, namespace, arr, [h.target for h in plan.prefix])
+    chain = prefix_chunks(fingerprint, namespace, arr, [h.target for h in plan.prefix], identity)
     prefix = tuple(replace(h, key=c.key) for h, c in zip(plan.prefix, chain, strict=True))
     pi_fp = pi_fingerprint(fingerprint)
 
     def rekey_pi(hits: Sequence[Hit]) -> tuple[Hit, ...]:
-        keyed = content_chunks(pi_fp, namespace, arr, [_chunk_span(h) for h in hits])
+        keyed = content_chunks(pi_fp, namespace, arr, [_chunk_span(h) for h in hits], identity)
         return tuple(replace(h, key=c.key) for h, c in zip(hits, keyed, strict=True))
 
     # ``dropped`` (hits a filter refused) is left out: nothing fetches those.

@@ -8,6 +8,7 @@ import pytest
 from nopecache.client import (
     ChunkSpan,
     FixedChunker,
+    InputIdentity,
     InvalidArgumentError,
     KeyedChunk,
     ModelFingerprint,
@@ -93,6 +94,28 @@ def test_a_rekeyed_plan_is_the_plan_keyed_under_the_group() -> None:
     assert rekey_plan(p0, tokens, g0, "ns") == p0
     with pytest.raises(InvalidArgumentError, match="tokens"):
         rekey_plan(p0, tokens[:10], g1, "ns")
+
+
+def test_a_rekeyed_plan_keeps_the_identity_it_was_looked_up_with() -> None:
+    """Regression: re-keying for another head group dropped the request's identity, so an
+    adapter's (or an image's) plan fetched the plain-text blocks of the same tokens for every
+    group but the first."""
+    tokens = np.arange(100, 164, dtype=np.uint32)
+    g0, g1 = FP.head_group(0, 2), FP.head_group(2, 2)
+    spans = FixedChunker(16).split(tokens)[:2]
+    adapter = InputIdentity(b"lora-a")
+
+    def plan(fp: ModelFingerprint, identity: InputIdentity | None) -> ReusePlan:
+        pre = prefix_chunks(fp, "ns", tokens, spans, identity)
+        pi = content_chunks(pi_fingerprint(fp), "ns", tokens, [ChunkSpan(40, 56)], identity)
+        found = {c.key: StoredForm.ROPE for c in pre} | {c.key: StoredForm.NOPE for c in pi}
+        return plan_reuse(64, pre, pi, found)
+
+    rekeyed = rekey_plan(plan(g0, adapter), tokens, g1, "ns", adapter)
+    assert rekeyed == plan(g1, adapter)
+    plain = plan(g1, None)
+    assert all(a.key != b.key for a, b in zip(rekeyed.prefix, plain.prefix, strict=True))
+    assert rekeyed.hits[0].key != plain.hits[0].key
 
 
 def test_a_hit_trimmed_by_the_prefix_is_rekeyed_from_its_whole_chunk() -> None:

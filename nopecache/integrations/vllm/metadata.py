@@ -44,6 +44,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]  # the request's blocks, from position 0
     asynchronous: bool = False  # fetched in the background; vLLM waits for get_finished
     blend: bool = False  # blend mode: the worker runs the layer loop over [start, end)
+    identity: InputIdentity = field(default_factory=InputIdentity)  # the plan's lookup identity
 
     @property
     def exact_tokens(self) -> int:

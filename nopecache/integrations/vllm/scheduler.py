@@ -144,6 +144,12 @@ def _salt_block_hashes(request: Request, first_block: int, end_block: int | None
         hashes[i] = cast("BlockHash", hashlib.sha256(salt + bytes(hashes[i])).digest())
 
 
+def _identity_or_plain(identity: InputIdentity | str) -> InputIdentity:
+    """The identity a claim was looked up with (a skipped request claims nothing)."""
+    assert isinstance(identity, InputIdentity), "a skipped request has no claim"
+    return identity
+
+
 def claim_end(plan: ReusePlan, *, contiguous: bool, limit: int, block_size: int) -> int:
     """Where a claim ends: the exact prefix (plus contiguous PI hits), block aligned."""
     end = plan.prefix_end
@@ -532,6 +538,7 @@ class SchedulerSide:
                 tuple(block_ids),
                 asynchronous=self.config.load_async and not claim.blend,
                 blend=claim.blend,
+                identity=_identity_or_plain(self.identity(request)),
             )
             self._loads.append(load)
             self.totals.claimed_exact_tokens += load.exact_tokens

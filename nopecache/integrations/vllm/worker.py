@@ -407,7 +407,9 @@ class WorkerSide:
         for group, client in self.groups:
             plan = spec.plan
             if group.fingerprint != lookup:
-                plan = rekey_plan(plan, spec.tokens, group.fingerprint, self.config.namespace)
+                plan = rekey_plan(
+                    plan, spec.tokens, group.fingerprint, self.config.namespace, spec.identity
+                )
             heads = None
             if group.num_heads != self.model.rank_kv_heads:
                 heads = slice(group.local_start, group.local_start + group.num_heads)
