@@ -21,6 +21,7 @@ cached token counted comes from nopecache.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from pathlib import Path
@@ -29,8 +30,6 @@ from typing import Any
 import pytest
 
 from nopecache.client import FixedChunker, ModelFingerprint, prefix_chunks
-from nopecache.kernels import RopeSpec
-from nopecache.proto.block import StoredForm
 from tests.support.engine_proc import EngineFactory, EngineProc
 from tests.support.redis_procs import RedisProc, free_ports
 from tests.support.server_procs import CacheServerProc
@@ -87,21 +86,24 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(100, CONFIG["vocab_size"]) for _ in range(PROMPT_TOKENS)]
 
 
+@functools.cache
+def _fingerprint(tiny_model: str) -> ModelFingerprint:
+    """The whole model's fingerprint as the connector derives it (path, config, weights,
+    RoPE: ``model_identity`` on the engines' own vLLM config)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from nopecache.integrations.vllm.config import model_identity
+
+    config = EngineArgs(
+        model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=4096
+    ).create_engine_config()
+    return model_identity(config).fingerprint
+
+
 def _group_keys(tiny_model: str, prompt: list[int], group: int) -> list[bytes]:
     """The Redis keys of the prompt's whole exact-prefix blocks of one head group, as
     the connector keys them (fingerprint of the served model, the group's heads)."""
-    from transformers import AutoConfig
-
-    rope = RopeSpec.from_hf_config(AutoConfig.from_pretrained(tiny_model))
-    whole = ModelFingerprint.from_rope_spec(
-        model=tiny_model,
-        revision="",
-        num_layers=CONFIG["num_hidden_layers"],
-        num_kv_heads=CONFIG["num_key_value_heads"],
-        dtype="float32",
-        form=StoredForm.ROPE,
-        rope=rope,
-    )
+    whole = _fingerprint(tiny_model)
     spans = FixedChunker(BLOCK).split(prompt)
     whole_spans = [s for s in spans if len(s) == BLOCK]
     chunks = prefix_chunks(whole.head_group(group, 1), "", prompt, whole_spans)
