@@ -254,7 +254,8 @@ class SchedulerSide:
         self._identities: dict[str, InputIdentity | str] = {}  # request -> identity or reason
         self._logged_reasons: set[str] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed: never reclaimed
-        self._waiting: dict[str, int] = {}  # request -> tokens its hand-off named (in flight)
+        # request -> (tokens its hand-off named, ms it waits for them), while in flight
+        self._waiting: dict[str, tuple[int, float]] = {}
         self._handed: set[str] = set()  # requests whose hand-off was waited on: once only
         self._handing: dict[str, HandOff | None] = {}  # producer: saved requests' hand-offs
         self.totals = ConnectorTotals()
@@ -368,8 +369,9 @@ class SchedulerSide:
             return client.submit(lookup())
         self.totals.pd_handoffs += 1
         self._handed.add(req_id)
-        self._waiting[req_id] = handoff.tokens
-        deadline = time.monotonic() + self.config.handoff_deadline_ms / 1000
+        wait_ms = handoff.wait_ms(self.config.handoff_deadline_ms)
+        self._waiting[req_id] = handoff.tokens, wait_ms
+        deadline = time.monotonic() + wait_ms / 1000
         return client.submit(wait_for_prefix(lookup, handoff.tokens, deadline))
 
     def _handoff(
@@ -401,19 +403,21 @@ class SchedulerSide:
 
     def _waited(self, req_id: str, plan: ReusePlan) -> None:
         """Count a hand-off whose blocks were still missing at its deadline."""
-        need = self._waiting.pop(req_id, None)
-        if need is None or plan.prefix_end >= need:
+        waited = self._waiting.pop(req_id, None)
+        if waited is None or plan.prefix_end >= waited[0]:
             return
+        need, wait_ms = waited
         self.totals.pd_deadline_misses += 1
         self.totals.pd_missing_tokens += need - plan.prefix_end
         self._log_once(
             "deadline",
             "nopecache: %s: %d of the %d tokens its prefill stored had not landed after "
-            "handoff_deadline_ms=%.0f; recomputing them (counted as "
-            "vllm:nopecache_pd_deadline_misses)",
+            "%.0f ms (handoff_deadline_ms=%.0f, or the hand-off's shorter deadline_ms); "
+            "recomputing them (counted as vllm:nopecache_pd_deadline_misses)",
             req_id,
             need - plan.prefix_end,
             need,
+            wait_ms,
             self.config.handoff_deadline_ms,
         )
 

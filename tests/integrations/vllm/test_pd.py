@@ -81,10 +81,17 @@ def test_handoff_params_round_trip_and_malformed_ones() -> None:
     assert HandOff.from_params({"other": 1, **handoff.to_params()}) == handoff
     assert HandOff.from_params(None) is None
     assert HandOff.from_params({"do_remote_prefill": True}) is None  # another connector's
+    assert "deadline_ms" not in handoff.to_params()[PARAMS_KEY]
+    short = HandOff(3, 4, handoff.digest, deadline_ms=250)
+    assert HandOff.from_params(short.to_params()) == short
+    assert (short.wait_ms(5000), short.wait_ms(100), handoff.wait_ms(5000)) == (250, 100, 5000)
     for body in (
         {"v": 2},
         {"v": 1, "blocks": "3"},
         {**handoff.to_params()[PARAMS_KEY], "blocks": 0},
+        {**handoff.to_params()[PARAMS_KEY], "deadline_ms": 0},
+        {**handoff.to_params()[PARAMS_KEY], "deadline_ms": "250"},
+        {**handoff.to_params()[PARAMS_KEY], "deadline_ms": True},
     ):
         assert isinstance(HandOff.from_params({PARAMS_KEY: body}), str)
 
@@ -192,6 +199,28 @@ def test_missing_at_the_deadline_is_recomputed_counted_and_logged_once(
         totals = consumer.scheduler.totals
         assert (totals.pd_handoffs, totals.pd_deadline_misses) == (2, 2)
         assert totals.pd_missing_tokens == 24
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_handoffs_deadline_ms_shortens_the_engines_wait(
+    server: CacheServerProc, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The engine would wait 10 minutes (the test's timeout fails first); the request: 50 ms.
+    producer = _Engine(server, 1, kv_role="kv_producer")
+    consumer = _Engine(server, 2, kv_role="kv_consumer", handoff_deadline_ms=600_000)
+    try:
+        prompt = [p + 2500 for p in PROMPT]
+        producer.plan_step(_request("p", prompt), [3, 0, 2, 1], 0)
+        _, params = _finish(producer, "p")  # its store never runs: it failed
+        producer.worker.acks.ensure("p")
+        assert params is not None
+        params[PARAMS_KEY]["deadline_ms"] = 50
+        with caplog.at_level(logging.WARNING, logger="vllm"):
+            assert consumer.matched(_request("d", prompt, params), 0) == 0
+        assert [r for r in caplog.records if "after 50 ms" in r.getMessage()]
+        assert consumer.scheduler.totals.pd_deadline_misses == 1
     finally:
         producer.close()
         consumer.close()

@@ -63,11 +63,13 @@ def _expected_claim(stored: list[int], prompt: list[int]) -> int:
     return limit - limit % BLOCK
 
 
-def _wait_stored(redis: RedisProc, at_least: int, timeout_s: float = 120.0) -> int:
+def _wait_stored(
+    redis: RedisProc, at_least: int, timeout_s: float = 120.0, *, fail: bool = True
+) -> int:
     """Wait until the background store has landed (the key count stops growing).
 
     ``timeout_s`` only bounds a hang on a loaded machine; idle, a store lands in well
-    under a second."""
+    under a second. Past it: an AssertionError, or with ``fail=False`` the count."""
     client = redis.client()
     deadline = time.monotonic() + timeout_s
     last, stable_since = -1, time.monotonic()
@@ -78,6 +80,8 @@ def _wait_stored(redis: RedisProc, at_least: int, timeout_s: float = 120.0) -> i
         elif n >= at_least and time.monotonic() - stable_since > 1.0:
             return n
         time.sleep(0.1)
+    if not fail:
+        return last
     raise AssertionError(f"only {last} blocks reached Redis")
 
 
@@ -137,8 +141,18 @@ def test_fp32_server_down_then_shared(
     assert _metric(a32, "loaded_exact_tokens") == 0
 
     server.start()
-    assert a32.generate(prompts[0], max_tokens=12)["ids"] == baseline[0]
-    _wait_stored(redis, len(prompts[0]) // BLOCK)
+    # The first request after the start may still find the server down to A32's client
+    # (gRPC's reconnect back-off, or a first call slower than lookup_timeout=500ms on a
+    # loaded machine: CI once stored nothing here); a down server's keys are misses and its
+    # stores are dropped, by design. So ask again until one store lands, each answer the
+    # baseline's; 60 s per try only bounds a store that is slow, never a correct result.
+    need = len(prompts[0]) // BLOCK
+    for _ in range(4):
+        assert a32.generate(prompts[0], max_tokens=12)["ids"] == baseline[0]
+        if _wait_stored(redis, need, timeout_s=60.0, fail=False) >= need:
+            break
+    else:
+        raise AssertionError(f"no store of {need} blocks reached Redis in 4 tries")
 
     b32 = engines(dtype="float32", connector=_connector(server), env=probe.env())
     out = b32.generate(prompts[1], max_tokens=12)
