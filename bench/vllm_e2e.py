@@ -7,13 +7,18 @@ every hit comes through the connector):
 
     store   connector on: answers prompts and stores their KV
     load    connector on, save off, ``pi_reuse="contiguous"``: the engine measured
+    local   no connector, vLLM's own prefix cache on, on the measured engine's core: the
+            local-hit baseline (a hit that moves no bytes: what a hit can cost at best)
     ref     no connector: the no-cache reference of the quality scenario
 
 1. Exact prefix. Each round takes a new ~1.4k-token document as the system message;
    ``load`` answers it plus a question (``max_tokens=1``: TTFT) while nothing is stored
    (cold: the lookup misses), then ``store`` answers the document plus another question
    and stores it, then ``load`` answers its prompt again (cached: lookup, fetch over gRPC
-   and placement included). Rounds interleave cold and cached; medians of 3.
+   and placement included). Then ``local`` answers ``load``'s prompt twice: the second
+   answer is a local prefix-cache hit of the same blocks (``ttft_local_hit_ms``), and
+   ``remote_hit_vs_local_hit`` is nopecache's cached TTFT over it (target <= 1.25).
+   Rounds interleave cold, cached and local; medians of 3.
 2. Truncated history with ``pi_reuse="contiguous"``: ``store`` answers a long chat; the
    same chat with its oldest turns dropped is teacher-forced over the reference's 64-token
    greedy continuation: top-1 agreement and KL (over the reference's top 20 logprobs) of
@@ -28,7 +33,8 @@ nopecache's, on the same prompts, and the line adds ``lmcache_ttft_speedup=...``
 sortedcontainers aiofile caio opentelemetry-exporter-prometheus``).
 
 Last line: ``RESULT ttft_cold_ms=... ttft_cached_ms=... ttft_speedup=... claimed_tokens=...
-stored_prefix_tokens=... pi_claimed_tokens=... pi_top1=... pi_kl=...``.
+stored_prefix_tokens=... ttft_local_hit_ms=... local_hit_tokens=... remote_hit_vs_local_hit=...
+pi_claimed_tokens=... pi_top1=... pi_kl=...``.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ RESULT_KEYS = (
     "ttft_speedup",
     "claimed_tokens",
     "stored_prefix_tokens",
+    "ttft_local_hit_ms",
+    "local_hit_tokens",
+    "remote_hit_vs_local_hit",
     "pi_claimed_tokens",
     "pi_top1",
     "pi_kl",
@@ -146,15 +155,21 @@ def _chat(
 Pair = tuple[EngineProc, EngineProc, str | None]  # store engine, load engine, server to watch
 
 
-def exact_prefix(pairs: dict[str, Pair], size: Size) -> dict[str, dict[str, float]]:
-    """Scenario 1: TTFT cold vs cached on ~1.5k-token prompts, medians of the rounds.
+def exact_prefix(
+    pairs: dict[str, Pair], local: EngineProc, size: Size
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Scenario 1: TTFT cold vs cached on ~1.5k-token prompts, medians of the rounds; and
+    the local-hit baseline: ``local`` (vLLM's prefix cache on) answering the measured
+    prompt a second time.
 
-    Every round runs each system (nopecache, and a peer if any) on the same prompts, one
-    after the other, so all see the same machine load.
+    Every round runs each system (nopecache, and a peer if any) and the local baseline on
+    the same prompts, one after the other, so all see the same machine load.
     """
     runs: dict[str, dict[str, list[float]]] = {
         name: {"cold": [], "cached": [], "claimed": [], "shared": []} for name in pairs
     }
+    local_hits: list[float] = []
+    local_tokens: list[float] = []
     for r in range(size.rounds):
         doc = _document(100 + r, size.sentences)
         for name, (store, load, address) in pairs.items():
@@ -179,6 +194,19 @@ def exact_prefix(pairs: dict[str, Pair], size: Size) -> dict[str, dict[str, floa
                 f"{got['cached'][-1] * 1e3:.0f} ms ({got['claimed'][-1]:.0f} tokens claimed)",
                 flush=True,
             )
+        # The same prompt as nopecache's measured one (the same tokens: the chat template is
+        # the same model's), twice on the local engine: the second is a local hit.
+        prompt = _chat(local, doc, [], "Which rule mentions the night train first?")
+        first = local.generate(prompt, max_tokens=1)
+        assert first["cached"] == 0, "the local engine's cold run found something"
+        out = local.generate(prompt, max_tokens=1)
+        local_hits.append(out["seconds"])
+        local_tokens.append(out["cached"])
+        print(
+            f"round {r} local: cold {first['seconds'] * 1e3:.0f} ms, local hit "
+            f"{out['seconds'] * 1e3:.0f} ms ({out['cached']:.0f} tokens from vLLM's cache)",
+            flush=True,
+        )
     summary = {}
     for name, got in runs.items():
         c, w = statistics.median(got["cold"]), statistics.median(got["cached"])
@@ -189,7 +217,11 @@ def exact_prefix(pairs: dict[str, Pair], size: Size) -> dict[str, dict[str, floa
             "claimed_tokens": statistics.median(got["claimed"]),
             "stored_prefix_tokens": statistics.median(got["shared"]),
         }
-    return summary
+    baseline = {
+        "ttft_local_hit_ms": statistics.median(local_hits) * 1e3,
+        "local_hit_tokens": statistics.median(local_tokens),
+    }
+    return summary, baseline
 
 
 def truncated_history(
@@ -292,7 +324,7 @@ def main() -> None:
     # nopecache's and LMCache's measured engines have the same share of the machine; the
     # measured engines run one at a time, never beside each other.
     storing, measured = core_for(0), core_for(1)
-    with bench_processes(engines=5 if args.peer else 3) as started:
+    with bench_processes(engines=6 if args.peer else 4) as started:
         server = started.server(
             CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=1GiB&pinned=no",))
         )
@@ -304,6 +336,7 @@ def main() -> None:
                 connector={"url": url, "save": False, "pi_reuse": "contiguous", **seg},
                 cpu=measured,
             ),
+            "local": EngineConfig(model=model, prefix_caching=True, cpu=measured),
             "ref": EngineConfig(model=model, cpu=storing),
         }
         procs = {
@@ -326,8 +359,11 @@ def main() -> None:
             proc.wait_ready()
             proc.generate(proc.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2)
             print(f"engine {name} ready", flush=True)
-        summary = exact_prefix(pairs, size)
+        summary, local = exact_prefix(pairs, procs["local"], size)
         result = summary["nopecache"]
+        result.update(local)
+        # Target <= 1.25: a remote hit over a local one, same prompt, same core, same rounds.
+        result["remote_hit_vs_local_hit"] = result["ttft_cached_ms"] / local["ttft_local_hit_ms"]
         result.update(truncated_history(procs["store"], procs["load"], procs["ref"], size))
         if "lmcache" in summary:
             peer = summary["lmcache"]
