@@ -228,8 +228,12 @@ def _builder() -> str:
 
 def main() -> int:
     builder = _builder()
+    # "buildah" is also the fallback when nothing works: then it may not be installed at all,
+    # and build.sh says so (exit 3, a skip) rather than this probe raising.
     had_base = (
-        builder != "buildah" or run(["buildah", *STORAGE, "inspect", LOCAL_BASE]).returncode == 0
+        builder != "buildah"
+        or shutil.which("buildah") is None
+        or run(["buildah", *STORAGE, "inspect", LOCAL_BASE]).returncode == 0
     )
     build = subprocess.run([str(ROOT / "deploy/image/build.sh"), IMAGE], text=True)
     if build.returncode == 3:
