@@ -128,6 +128,15 @@ def _finish(engine: _Engine, req_id: str) -> tuple[bool, dict[str, Any] | None]:
     return out
 
 
+def _unstored_handoff(producer: _Engine, req_id: str, prompt: list[int]) -> dict[str, Any]:
+    """A producer's hand-off of ``prompt`` whose store never ran (it failed)."""
+    producer.plan_step(_request(req_id, prompt), [3, 0, 2, 1], 0)
+    _, params = _finish(producer, req_id)
+    producer.worker.acks.ensure(req_id)
+    assert params is not None
+    return params
+
+
 def _until_acked(engine: _Engine, req_id: str) -> None:
     # Only a hang guard: a loopback store of three blocks takes milliseconds.
     deadline = time.monotonic() + 60
@@ -185,9 +194,7 @@ def test_missing_at_the_deadline_is_recomputed_counted_and_logged_once(
         logs = []
         for i in range(2):
             prompt = [p + 2000 + 100 * i for p in PROMPT]
-            producer.plan_step(_request(f"p{i}", prompt), [3, 0, 2, 1], 0)
-            _, params = _finish(producer, f"p{i}")  # its store never runs: it failed
-            producer.worker.acks.ensure(f"p{i}")
+            params = _unstored_handoff(producer, f"p{i}", prompt)
             with caplog.at_level(logging.WARNING, logger="vllm"):
                 assert consumer.matched(_request(f"d{i}", prompt, params), 0) == 0
             logs = [r for r in caplog.records if "handoff_deadline_ms" in r.getMessage()]
@@ -212,10 +219,7 @@ def test_a_handoffs_deadline_ms_shortens_the_engines_wait(
     consumer = _Engine(server, 2, kv_role="kv_consumer", handoff_deadline_ms=600_000)
     try:
         prompt = [p + 2500 for p in PROMPT]
-        producer.plan_step(_request("p", prompt), [3, 0, 2, 1], 0)
-        _, params = _finish(producer, "p")  # its store never runs: it failed
-        producer.worker.acks.ensure("p")
-        assert params is not None
+        params = _unstored_handoff(producer, "p", prompt)
         params[PARAMS_KEY]["deadline_ms"] = 50
         with caplog.at_level(logging.WARNING, logger="vllm"):
             assert consumer.matched(_request("d", prompt, params), 0) == 0
