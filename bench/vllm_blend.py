@@ -33,6 +33,14 @@ fact_kept is, of the questions whose no-cache answer holds the fact, the share w
 answer does too. ``--pi-reuse contiguous`` runs the same with the contiguous mode in
 place of blend (no recompute) for comparison.
 
+``--generation 2`` measures reuse of second-generation blocks: the storing engine runs
+blend mode (default policy) and answers each stored prompt behind a lead-in and a primer
+block it stored before, so the primer is reused at a new position and every stored
+message's KV is computed attending to that approximate KV; a blend claim keeps such KV
+under content keys only (issue 33), so the measured engines reuse it, never as an exact
+prefix. The same line, against the default (first generation, each stored prompt
+computed from scratch).
+
 ``--set report`` (or ``both``, the default) runs bench/quality.py's report half too, one
 shape per prompt (``bench/_blend_report.py``: the context stored as an exact prefix, the
 chunks on their own or inside an earlier request, each chunk a message), the same steps,
@@ -216,6 +224,23 @@ def _store(engines: Engines, prompt: list[int], address: str, stored: set[tuple[
     stored.add(tuple(prompt))
 
 
+# --generation 2: every stored prompt is computed after this block, reused at a new
+# position (a blend claim), so its own KV attended to approximate KV: a second generation.
+PRIMER = " ".join(
+    f"Weather note {i}: {['fog', 'gales', 'sleet', 'sunshine'][i % 4]} expected over "
+    f"{['the north coast', 'the fjords', 'the plateau', 'the islands'][i % 4]} from "
+    f"{6 + i}:00, visibility {2 + i % 5} km, sea state {i % 6}."
+    for i in range(16)
+)
+PRIMER_LEAD = "Before my real question, some background."
+
+
+def second_generation(messages: Sequence[Message]) -> tuple[Message, ...]:
+    """``messages`` behind the primer and a lead-in: the prompt a blend engine answers to
+    store the messages' KV as second-generation blocks (see ``--generation``)."""
+    return (("user", PRIMER_LEAD), ("user", PRIMER), *messages)
+
+
 def run_shape(
     shape: Shape,
     engines: Engines,
@@ -225,13 +250,25 @@ def run_shape(
     max_answer: int,
     tokenizer: Any = None,
     stored: set[tuple[int, ...]] | None = None,
+    generation: int = 1,
 ) -> ShapeResult:
     """Store, time and check one shape (steps 1-3 of the module docstring). With a
-    ``tokenizer`` a fact counts only by ``FACT_MARGIN`` (``_blend_report.fact_margin``)."""
+    ``tokenizer`` a fact counts only by ``FACT_MARGIN`` (``_blend_report.fact_margin``).
+    ``generation`` 2: the stored prompts are stored second-generation (``--generation``)."""
     result = ShapeResult(shape.name, shape.kind)
     stored = set() if stored is None else stored
     for messages in (shape.stored, *shape.stored_more):
-        _store(engines, ids(messages), address, stored)
+        if generation == 1:
+            _store(engines, ids(messages), address, stored)
+            continue
+        _store(engines, ids((("user", PRIMER),)), address, stored)
+        before = _counters(engines.store)
+        _store(engines, ids(second_generation(messages)), address, stored)
+        claimed = _delta(before, _counters(engines.store))["blend_claimed_tokens"]
+        # Second generation only if the primer was reused (a blend claim before them).
+        print(f"{shape.name}: stored behind a blend claim of {claimed:.0f} tokens", flush=True)
+        if not claimed:
+            raise RuntimeError(f"{shape.name}: the storing engine did not blend the primer")
 
     first = ids(shape.asking(shape.questions[0][0]))
     result.prompt_tokens = len(first)
@@ -400,6 +437,15 @@ def main() -> None:
     )
     parser.add_argument("--budget", type=float, default=0.15, help="recompute budget (blend)")
     parser.add_argument("--rounds", type=int, default=3, help="TTFT rounds per shape")
+    parser.add_argument(
+        "--generation",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: the storing engine computes each stored prompt from scratch; 2: it runs "
+        "blend mode and answers each behind a primer it reuses at a new position, so the "
+        "stored prompt's blocks are second-generation (computed attending to reused KV)",
+    )
     parser.add_argument("--shapes", nargs="*", default=None, help="run only these shapes")
     parser.add_argument(
         "--set",
@@ -451,8 +497,10 @@ def main() -> None:
         url = f"nopecache://{server.address}"
         seg: dict[str, Any] = {"url": url, "segment_token_ids": [IM_START]}
         blend = {**seg, **blend_extra(args.pi_reuse, args.policy, args.budget)}
+        # Generation 2: the storing engine blends too (the default policy, saving).
+        store = seg if args.generation == 1 else {**seg, "pi_reuse": "blend"}
         configs = {
-            "store": EngineConfig(model=model, connector=seg, cpu=storing),
+            "store": EngineConfig(model=model, connector=store, cpu=storing),
             "blend": EngineConfig(model=model, connector=blend, cpu=measured),
             "prefix": EngineConfig(
                 model=model, connector={**seg, "pi_reuse": "off", "save": False}, cpu=measured
@@ -477,6 +525,7 @@ def main() -> None:
                 max_answer,
                 tokenizer if shape.kind else None,
                 stored,
+                args.generation,
             )
             print(
                 f"{shape.name}: {result.prompt_tokens} tokens, {args.pi_reuse} reused "

@@ -393,6 +393,7 @@ class AsyncCacheClient:
         prefix: bool = True,
         position_independent: bool = True,
         identity: InputIdentity | None = None,
+        prefix_end: int | None = None,
     ) -> PreparedStore:
         """Validate a store and compute its keys (any thread; raises on bad arguments)."""
         arr = token_array(tokens)
@@ -402,7 +403,13 @@ class AsyncCacheClient:
         positions = check_positions(positions, len(arr))
         chunker = self.keying.pi_chunker(chunking, segments)
         pre, pi = self.keying.keys(
-            arr, namespace, chunker, prefix=prefix, pi=position_independent, identity=identity
+            arr,
+            namespace,
+            chunker,
+            prefix=prefix,
+            pi=position_independent,
+            identity=identity,
+            prefix_end=prefix_end,
         )
         return PreparedStore(arr, k, v, positions, form, tuple(pre), tuple(pi))
 
@@ -420,8 +427,13 @@ class AsyncCacheClient:
         position_independent: bool = True,
         wait: bool = True,
         identity: InputIdentity | None = None,
+        prefix_end: int | None = None,
     ) -> StoreReport:
         """Store the KV of ``tokens`` computed at ``positions`` (an int start or a tensor).
+
+        ``prefix_end``: exact-prefix keys only for the blocks ending at or before it; the
+        tokens after it get content keys only (their KV is approximate: it attended to
+        reused position-independent KV). None: the whole prompt.
 
         ``kv`` is (K, V), each ``[layers, tokens, kv_heads, head_dim]``, K in ``form``. Only
         blocks their servers lack are sent. ``wait=False`` returns at once (``queued``, or
@@ -440,6 +452,7 @@ class AsyncCacheClient:
             prefix=prefix,
             position_independent=position_independent,
             identity=identity,
+            prefix_end=prefix_end,
         )
         if wait:
             return await self.store_prepared(job)

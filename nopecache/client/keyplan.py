@@ -73,15 +73,28 @@ class KeyPlanner:
         prefix: bool,
         pi: bool,
         identity: InputIdentity | None = None,
+        prefix_end: int | None = None,
     ) -> tuple[list[KeyedChunk], list[KeyedChunk]]:
         """The prefix chain and the content keys of ``tokens`` (each empty when not asked);
-        ``identity``: what beside the tokens shapes their KV (``identity.py``)."""
+        ``identity``: what beside the tokens shapes their KV (``identity.py``).
+
+        ``prefix_end``: the chain holds only the blocks that end at or before it (the KV
+        after it is approximate: it attended to reused position-independent KV, so it
+        gets content keys only); None: the whole prompt.
+        """
         ns = self.namespace if namespace is None else namespace
-        pre = (
-            prefix_chunks(self.fingerprint, ns, tokens, self.prefix_chunker.split(tokens), identity)
-            if prefix
-            else []
-        )
+        if prefix_end is not None and (
+            isinstance(prefix_end, bool)
+            or not isinstance(prefix_end, int)
+            or not 0 <= prefix_end <= len(tokens)
+        ):
+            raise InvalidArgumentError(
+                "prefix_end", f"must be an int in [0, {len(tokens)}], got {prefix_end!r}"
+            )
+        spans = self.prefix_chunker.split(tokens) if prefix else []
+        if prefix_end is not None:
+            spans = [span for span in spans if span.end <= prefix_end]
+        pre = prefix_chunks(self.fingerprint, ns, tokens, spans, identity) if spans else []
         content = (
             content_chunks(self.pi_fingerprint, ns, tokens, chunker.split(tokens), identity)
             if pi

@@ -194,6 +194,7 @@ class CacheClient:
         position_independent: bool = True,
         wait: bool = True,
         identity: InputIdentity | None = None,
+        prefix_end: int | None = None,
     ) -> StoreReport:
         """See :meth:`AsyncCacheClient.store`; ``wait=False`` never blocks on the network."""
         job = self._core.prepare_store(
@@ -207,6 +208,7 @@ class CacheClient:
             prefix=prefix,
             position_independent=position_independent,
             identity=identity,
+            prefix_end=prefix_end,
         )
         if not wait:
             return self._core.enqueue_store(job)
@@ -223,6 +225,7 @@ class CacheClient:
         namespace: Namespace | None = None,
         position_independent: bool = True,
         identity: InputIdentity | None = None,
+        prefix_end: int | None = None,
     ) -> concurrent.futures.Future[StoreReport]:
         """Start :meth:`store` on the client's loop and return at once: a future that
         completes when the servers acknowledged it (outside the store queue's budget:
@@ -236,6 +239,7 @@ class CacheClient:
             namespace=namespace,
             position_independent=position_independent,
             identity=identity,
+            prefix_end=prefix_end,
         )
         return self.submit(self._core.store_prepared(job))
 

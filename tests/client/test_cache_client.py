@@ -216,6 +216,25 @@ def test_store_sends_only_missing_blocks_and_queues_without_blocking(
         assert stats.stored_blocks == blocks + len(CHUNKER.split(other))
 
 
+def test_prefix_end_keys_the_approximate_rest_by_content_only(
+    servers: list[CacheServerProc],
+) -> None:
+    """``prefix_end``: exact-prefix keys stop at it, content keys cover every token."""
+    tokens = prompt(100, seed=12)
+    k, v = kv(100, seed=12)
+    with client(config(servers, "prefix-end"), StoredForm.ROPE) as c:
+        for bad in (-1, 101, 1.5, True):
+            with pytest.raises(InvalidArgumentError, match="prefix_end"):
+                c.store(tokens, (k, v), form="rope", prefix_end=bad)  # type: ignore[arg-type]
+        assert c.stats().stored_blocks == 0  # refused before anything was sent
+        report = c.store(tokens, (k, v), 0, form="rope", prefix_end=2 * PREFIX_BLOCK)
+        assert report.failed == 0
+        assert c.stats().stored_blocks == 2 + len(CHUNKER.split(tokens))
+        plan = c.lookup(tokens)
+    assert plan.prefix_end == 2 * PREFIX_BLOCK
+    assert plan.prefix_end + plan.pi_tokens == 100  # the rest found by content
+
+
 # -- failures --------------------------------------------------------------------------------
 def test_a_killed_server_turns_its_blocks_into_misses(cache_servers: ServerFactory) -> None:
     pair = cache_servers(2)

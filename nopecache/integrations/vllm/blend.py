@@ -12,7 +12,11 @@ right before vLLM reads it (``blend_loop.py``)::
 
 ``end`` is cut at vLLM's block size and never reaches the prompt's last token. The claim
 is taken when the cost model says it pays (:func:`blend_pays`); otherwise the request
-gets the plain prefix claim.
+gets the plain prefix claim. Once the rates are measured, the claim ends where it saves
+the most (:func:`blend_saving` at each hit's end, :func:`blend_claim_ends`), not always at
+the last hit: misses between the last useful hit and a small one near the prompt's end
+(a chat's three-token generation prompt is a stored chunk too) are left to vLLM's own
+prefill, which is faster than the layer loop, instead of costing the whole claim.
 
 Only Llama-family models (Llama, Mistral without a sliding window, Qwen2) on vLLM's CPU
 attention backend run the loop; :func:`blend_unsupported_reason` names what else stops
@@ -36,8 +40,10 @@ if TYPE_CHECKING:
 __all__ = [
     "BLEND_ARCHITECTURES",
     "blend_claim_end",
+    "blend_claim_ends",
     "blend_layout",
     "blend_pays",
+    "blend_saving",
     "blend_unsupported_reason",
 ]
 
@@ -54,6 +60,15 @@ def blend_claim_end(plan: ReusePlan, *, start: int, limit: int, block_size: int)
     end = min(end, limit)
     end -= end % block_size
     return max(end, start)
+
+
+def blend_claim_ends(plan: ReusePlan, *, start: int, limit: int, block_size: int) -> list[int]:
+    """Every end a blend claim may take past ``start``, nearest first: each hit's end (exact
+    or position-independent), cut at ``limit`` and aligned down to a block. The last is
+    :func:`blend_claim_end`."""
+    ends = {plan.prefix_end, *(hit.target.end for hit in plan.hits)}
+    out = {min(end, limit) - min(end, limit) % block_size for end in ends}
+    return sorted(end for end in out if end > start)
 
 
 def blend_layout(
@@ -83,6 +98,22 @@ def blend_layout(
     return ReuseLayout(end, prefix, tuple(chunks))
 
 
+def blend_saving(
+    layout: ReuseLayout,
+    recompute_fraction: float,
+    *,
+    prefill_tokens_per_s: float,
+    fetch_s: float,
+    loop_tokens_per_s: float | None = None,
+) -> float:
+    """Seconds a blend claim saves over the prefix claim of the same prompt (negative: it
+    costs more); :func:`blend_pays` says when it is worth taking."""
+    span = layout.num_tokens - layout.prefix_end
+    loop_tokens = span - layout.num_pi * (1.0 - recompute_fraction)
+    loop_rate = loop_tokens_per_s or prefill_tokens_per_s
+    return span / prefill_tokens_per_s - fetch_s - loop_tokens / loop_rate
+
+
 def blend_pays(
     layout: ReuseLayout,
     recompute_fraction: float,
@@ -104,10 +135,14 @@ def blend_pays(
         return False
     if recompute_fraction >= 1.0:
         return True
-    span = layout.num_tokens - layout.prefix_end
-    loop_tokens = span - layout.num_pi * (1.0 - recompute_fraction)
-    loop_rate = loop_tokens_per_s or prefill_tokens_per_s
-    return fetch_s + loop_tokens / loop_rate < span / prefill_tokens_per_s
+    saving = blend_saving(
+        layout,
+        recompute_fraction,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        fetch_s=fetch_s,
+        loop_tokens_per_s=loop_tokens_per_s,
+    )
+    return saving > 0
 
 
 def blend_unsupported_reason(vllm_config: VllmConfig) -> str | None:

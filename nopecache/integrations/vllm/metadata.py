@@ -60,13 +60,19 @@ class LoadSpec:
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
     """Store the KV of ``tokens`` (from position 0; the last block may be partial) from
-    ``block_ids``."""
+    ``block_ids``.
+
+    ``exact_end``: where the exact-prefix keys end (a block boundary); the tokens after it
+    attended to reused position-independent KV, so they are stored under content keys
+    only. None: the whole prompt is exact.
+    """
 
     req_id: str
     tokens: tuple[int, ...]
     block_ids: tuple[int, ...]
     identity: InputIdentity = field(default_factory=InputIdentity)  # what else shapes the KV
     ack: bool = False  # a producer's: report the request in get_finished once stored
+    exact_end: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

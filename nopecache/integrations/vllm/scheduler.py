@@ -25,9 +25,12 @@ the partial last block included (the client skips blocks the servers already hol
 message that ends the prompt is then reusable whole, at any position). KV events name
 the whole blocks only, the ones vLLM hashes. KV that came from a
 position-independent hit is approximate, and so is every later token's KV (it attended
-to it): such a request stores only the blocks before its first position-independent
-token (blend: before the first position the layer loop computes), so the exact cache
-never holds approximate KV; a blend claim also salts vLLM's block hashes from there on
+to it): such a request stores exact-prefix keys only for the blocks before its first
+position-independent token (blend: before the first position the layer loop computes),
+so the exact cache never holds approximate KV; the rest of its prompt (the misses and
+recomputed tokens of a blend claim, the turn a chat added after a contiguous claim) is
+stored under content keys only (``SaveSpec.exact_end``), so the next turn reuses it at
+any position. A blend claim also salts vLLM's block hashes from there on
 (``_salt_block_hashes``), so vLLM's own prefix cache never serves those blocks either.
 
 Identity. Every key folds in what beside the token ids shapes the request's KV (its LoRA
@@ -38,8 +41,9 @@ stored, counted as ``skipped_<reason>`` and logged once per reason.
 Approximate never becomes exact. A contiguous claim's position-independent blocks, like a
 blend claim's range, salt vLLM's block hashes from the first approximate block on, so the
 engine's own prefix cache never serves them (or anything computed after them) as exact to
-the next request, and the request stores nothing from there (a multi-turn chat's next
-turn would otherwise find them as local hits, claim nothing, and store them as exact).
+the next request, and the request stores no exact-prefix key from there (a multi-turn
+chat's next turn would otherwise find them as local hits, claim nothing, and store them
+as exact).
 With a compact stored form (the client URL's ``kv_codec``, fp8 or K16/V8) every block the
 client finds is approximate, exact prefixes included: a claim is approximate from its
 first block (``_compact``).
@@ -77,13 +81,20 @@ from nopecache.client.identity import InputIdentity
 from nopecache.client.plan import ReusePlan
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm import compat
-from nopecache.integrations.vllm.blend import blend_claim_end, blend_layout, blend_pays
+from nopecache.integrations.vllm.blend import (
+    blend_claim_end,
+    blend_claim_ends,
+    blend_layout,
+    blend_pays,
+    blend_saving,
+)
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
 from nopecache.integrations.vllm.events import AnnouncedBlocks
 from nopecache.integrations.vllm.identity import SKIP_REASONS, request_identity
 from nopecache.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan, StepReport
 from nopecache.integrations.vllm.pd import HandOff, keys_digest, wait_for_prefix
 from nopecache.integrations.vllm.rates import MeasuredRates
+from nopecache.recompute.policies import ReuseLayout
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import BlockHash
@@ -467,6 +478,9 @@ class SchedulerSide:
         layout = blend_layout(plan, start, end)
         fraction = self.policy.planned_fraction(layout, self.model.num_layers)
         prefill_rate = self.rates.prefill_tokens_per_s()  # None: not measured enough yet
+        if prefill_rate is not None and fraction < 1.0:
+            # Measured: end where the claim saves the most (blend.py).
+            end, layout, fraction = self._best_blend_end(plan, start, limit, prefill_rate)
         if prefill_rate is not None and not blend_pays(
             layout,
             fraction,
@@ -486,7 +500,8 @@ class SchedulerSide:
             )
             return prefix
         # The loop's rows match vLLM's own to rounding, not bit for bit: from its first
-        # position on, nothing is stored and vLLM's prefix cache files nothing as exact.
+        # position on, nothing is stored under exact keys (content keys only) and vLLM's
+        # prefix cache files nothing as exact.
         approximate_from = start if self._compact else layout.prefix_end
         self._salt_from(request, approximate_from // bs)
         return Claim(
@@ -498,6 +513,32 @@ class SchedulerSide:
             pi_tokens=layout.num_pi,
             approximate_from=approximate_from,
         )
+
+    def _best_blend_end(
+        self, plan: ReusePlan, start: int, limit: int, prefill_rate: float
+    ) -> tuple[int, ReuseLayout, float]:
+        """The blend claim's end that saves the most, with its layout and recompute
+        fraction (the farthest end when none saves anything: it is then refused)."""
+        assert self.policy is not None
+        bs = self.model.block_size
+        best: tuple[float, int, ReuseLayout, float] | None = None
+        for end in blend_claim_ends(plan, start=start, limit=limit, block_size=bs):
+            layout = blend_layout(plan, start, end)
+            fraction = self.policy.planned_fraction(layout, self.model.num_layers)
+            saving = blend_saving(
+                layout,
+                fraction,
+                prefill_tokens_per_s=prefill_rate,
+                fetch_s=self.rates.fetch_s(layout.num_pi),
+                loop_tokens_per_s=self.rates.loop_tokens_per_s(),
+            )
+            if layout.num_pi and (best is None or saving >= best[0]):
+                best = (saving, end, layout, fraction)
+        if best is None or best[0] <= 0:
+            end = blend_claim_end(plan, start=start, limit=limit, block_size=bs)
+            layout = blend_layout(plan, start, end)
+            return end, layout, self.policy.planned_fraction(layout, self.model.num_layers)
+        return best[1], best[2], best[3]
 
     @property
     def _compact(self) -> bool:
@@ -586,11 +627,18 @@ class SchedulerSide:
             return None
         tracked.saved = True
         end = len(tracked.tokens)  # the partial last block too: its KV is the prompt's
+        exact_end: int | None = None
         if tracked.approximate_from is not None:
             end = min(end, tracked.approximate_from)
             end -= end % bs
+            exact_end = end
         identity = tracked.identity
-        if end <= 0 or not self.config.save or isinstance(identity, str):
+        if not self.config.save or isinstance(identity, str):
+            return None
+        # What attended to approximate KV is kept under content keys only (a chat's next
+        # turn reuses the turn computed inside this claim at any position).
+        stored = len(tracked.tokens) if self.position_independent else end
+        if stored <= 0:
             return None
         if self.config.producer:
             self._handing[req_id] = self._handoff_of(tracked, end, identity)
@@ -607,8 +655,15 @@ class SchedulerSide:
                 lora=compat.lora_label(tracked.request),
                 extra_keys=compat.event_extra_keys(tracked.request, len(hashes), bs),
             )
-        blocks = tuple(tracked.block_ids[: -(-end // bs)])
-        return SaveSpec(req_id, tokens, blocks, identity, ack=self.config.producer)
+        blocks = tuple(tracked.block_ids[: -(-stored // bs)])
+        return SaveSpec(
+            req_id,
+            tracked.tokens[:stored],
+            blocks,
+            identity,
+            ack=self.config.producer,
+            exact_end=exact_end,
+        )
 
     def _handoff_of(self, tracked: _Tracked, end: int, identity: InputIdentity) -> HandOff | None:
         """What a decode engine will claim of the saved ``[0, end)``: every whole block

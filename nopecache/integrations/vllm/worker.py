@@ -507,9 +507,16 @@ class WorkerSide:
 
     def _save_one(self, spec: SaveSpec) -> None:
         assert self.layout is not None
-        n = len(spec.tokens)
+        pi = self.pi_refused is None
+        tokens, block_ids = spec.tokens, spec.block_ids
+        if spec.exact_end is not None and not pi:  # nothing past the exact part to key
+            bs = self.model.block_size
+            tokens, block_ids = tokens[: spec.exact_end], block_ids[: spec.exact_end // bs]
+        n = len(tokens)
+        if n == 0:
+            return
         # Whole blocks (the last one partial), gathered on the caches' device.
-        k, v = self.layout.blocks_to_host(self.caches, spec.block_ids)
+        k, v = self.layout.blocks_to_host(self.caches, block_ids)
         k, v = k[:, :n], v[:, :n]
         stored = True
         for group, client in self.groups:
@@ -518,12 +525,11 @@ class WorkerSide:
             else:  # one group of the rank's heads, as its own block
                 heads = slice(group.local_start, group.local_start + group.num_heads)
                 gk, gv = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
-            segments = self.config.segments(spec.tokens)
-            pi = self.pi_refused is None
+            segments = self.config.segments(tokens)
             try:
                 if spec.ack:  # a producer's: the blocks are held until it is acknowledged
                     future = client.submit_store(
-                        spec.tokens,
+                        tokens,
                         (gk, gv),
                         0,
                         form="rope",
@@ -531,11 +537,12 @@ class WorkerSide:
                         namespace=self.config.namespace,
                         position_independent=pi,
                         identity=spec.identity,
+                        prefix_end=spec.exact_end,
                     )
                     self.acks.add(spec.req_id, future)
                     continue
                 report = client.store(
-                    spec.tokens,
+                    tokens,
                     (gk, gv),
                     0,
                     form="rope",
@@ -544,6 +551,7 @@ class WorkerSide:
                     position_independent=pi,
                     wait=False,
                     identity=spec.identity,
+                    prefix_end=spec.exact_end,
                 )
             except NopecacheError as err:
                 log.warning("nopecache store for %s refused: %s", spec.req_id, err)

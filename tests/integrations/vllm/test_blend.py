@@ -18,10 +18,12 @@ from nopecache.client.keys import BlockKey
 from nopecache.client.plan import Hit, HitKind, ReusePlan
 from nopecache.integrations.vllm.blend import (
     blend_claim_end,
+    blend_claim_ends,
     blend_layout,
     blend_pays,
 )
 from nopecache.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+from nopecache.integrations.vllm.metadata import StepReport
 from nopecache.proto.block import StoredForm
 from nopecache.recompute.policies import DEFAULT_POLICY, first_k
 from tests.support.server_procs import CacheServerProc
@@ -55,6 +57,13 @@ def test_blend_claim_ends_at_the_last_hit_block_aligned() -> None:
     assert blend_claim_end(plan, start=0, limit=24, block_size=BS) == 24  # the limit cuts
     assert blend_claim_end(_plan(40, 8, []), start=0, limit=36, block_size=BS) == 8
     assert blend_claim_end(_plan(40, 0, []), start=12, limit=36, block_size=BS) == 12
+
+
+def test_blend_claim_may_end_at_any_hit_block_aligned() -> None:
+    plan = _plan(40, 8, [(13, 19), (22, 31)])
+    assert blend_claim_ends(plan, start=0, limit=36, block_size=BS) == [8, 16, 28]
+    assert blend_claim_ends(plan, start=16, limit=24, block_size=BS) == [24]
+    assert blend_claim_ends(_plan(40, 0, []), start=0, limit=36, block_size=BS) == []
 
 
 def test_blend_layout_marks_exact_reused_and_missing_positions() -> None:
@@ -179,6 +188,25 @@ def test_blend_claim_covers_a_moved_segment_and_salts_vllms_hashes(blend_pair: A
     assert report.loaded_pi_tokens == 0 and report.pi_token_layers == 0
 
 
+def test_a_measured_blend_claim_ends_where_it_saves_the_most(blend_pair: Any) -> None:
+    """Regression: the claim always ran to the last hit, so a small stored chunk near the
+    prompt's end (a chat's generation prompt) put every miss before it in the slower
+    layer loop; the whole claim then did not pay and the reusable message was lost."""
+    a, b = blend_pair
+    a.step(_request("r1", [*SEGMENT, 1, 70, 71]), [0, 1, 2, 3, 4], 0)  # [1, 70, 71] a chunk
+    misses = [1, *range(200, 220)]  # 21 new tokens between the message and the chunk
+    prompt = [1, 90, 91, 92, *SEGMENT, *misses, 1, 70, 71, 1, 5, 5]  # message at 4..17
+    rates = b.scheduler.rates
+    for _ in range(3):  # vLLM prefills 100 tokens/s, the loop runs at half that
+        rates.observe(StepReport(computed_tokens=1000, forward_seconds=10.0))
+    rates.observe(StepReport(blend_token_layers=2 * 500, blend_seconds=10.0))
+    # To the chunk's end (40): 26 misses in the loop cost more than the 40 tokens save.
+    # To the message's end (16): 4 misses, 12 reused: it pays.
+    request = _request("r2", prompt)
+    assert b.matched(request, 0) == 16
+    assert b.scheduler.totals.blend_fallbacks == 0
+
+
 def test_an_engine_without_blend_support_claims_prefixes_only(
     cache_server: CacheServerProc,
 ) -> None:
@@ -201,3 +229,48 @@ def test_an_engine_without_blend_support_claims_prefixes_only(
     finally:
         a.close()
         b.close()
+
+
+def test_a_contiguous_claim_keeps_what_it_computed_under_content_keys_only(
+    cache_server: CacheServerProc,
+) -> None:
+    """Issue 33: tokens computed after a position-independent claim (a chat's new turn)
+    attended to approximate KV: stored under content keys, so the next turn reuses them at
+    any position, and never under exact-prefix keys."""
+    writer = _Engine(cache_server, 1, SMALL_CHUNKS, segment_token_ids=[1])
+    reader = _Engine(cache_server, 2, SMALL_CHUNKS, segment_token_ids=[1], pi_reuse="contiguous")
+    exact_only = _Engine(cache_server, 3, SMALL_CHUNKS, segment_token_ids=[1])
+    try:
+        head = [1, *range(90, 97)]  # two blocks, stored as an exact prefix
+        segment = [1, *range(50, 62)]  # a message, stored at position 0
+        writer.step(_request("w1", [*segment, 1, 70, 71]), [0, 1, 2, 3], 0)
+        writer.step(_request("w2", [*head, 5, 5, 5, 5]), [4, 5, 6], 0)
+        new_turn = [1, *range(80, 87)]  # computed by the reader after its claim
+        prompt = [*head, *segment, *new_turn]  # 29 tokens, the message moved to 8..21
+        out = reader.step(_request("r1", prompt), list(range(8)), 0)
+        assert out.claimed == 20  # 8 exact tokens, then the message's hits, block aligned
+        (save,) = out.plan.saves
+        assert save.tokens == tuple(prompt) and save.exact_end == 8
+        assert save.block_ids == tuple(range(8))
+
+        # The new turn's tokens are content blocks now: found at another position, with
+        # the KV the reader computed for them (a chat's next turn reuses them).
+        moved = [*new_turn, 1, 7, 7, 7]
+        plan = reader.client.lookup(moved, segments=reader.config.segments(moved))
+        covered = sorted(p for hit in plan.hits for p in range(hit.target.start, hit.target.end))
+        assert covered == list(range(len(new_turn)))
+        fetched = reader.client.fetch(plan, moved)
+        k_stored, v_stored = fetched.k, fetched.v
+        assert k_stored is not None and v_stored is not None
+        for layer in range(2):
+            _, v_reader = reader.kv(layer)
+            rows = v_reader.reshape(-1, *v_reader.shape[2:])[21:29]  # slots 21..28
+            assert torch.equal(v_stored[layer, : len(new_turn)], rows)
+
+        # An exact-only engine finds the exact prefix only: nothing after the claim's
+        # first position-independent block passes as exact.
+        assert exact_only.matched(_request("e1", prompt), 0) == 8
+    finally:
+        writer.close()
+        reader.close()
+        exact_only.close()
