@@ -158,18 +158,25 @@ def check_v(mode: Mode, v: torch.Tensor, offset: int) -> None:
         assert torch.equal(got, want), f"V of {hit} differs"
 
 
-def profiled(profiler: cProfile.Profile, run: Callable[[], FetchResult]) -> FetchResult:
-    """``run`` with block placement (on the client's worker thread) under ``profiler``."""
-    place = BlockPlacer.place
+class Profiled:
+    """A mode's ``run`` with block placement (the client's worker thread) under cProfile."""
 
-    def traced(*args: Any) -> bool:
-        return bool(profiler.runcall(place, *args))
+    def __init__(self, mode: Mode, profiler: cProfile.Profile) -> None:
+        self.mode, self.profiler = mode, profiler
 
-    BlockPlacer.place = traced  # type: ignore[method-assign]
-    try:
-        return run()
-    finally:
-        BlockPlacer.place = place  # type: ignore[method-assign]
+    def __call__(self) -> FetchResult:
+        """``mode.run()``, every ``BlockPlacer.place_many`` call of it profiled."""
+        place = BlockPlacer.place_many
+        profiler = self.profiler
+
+        def traced(*args: Any) -> list[bool]:
+            return list(profiler.runcall(place, *args))
+
+        setattr(BlockPlacer, "place_many", traced)  # noqa: B010 (a method, patched for a run)
+        try:
+            return self.mode.run()
+        finally:
+            setattr(BlockPlacer, "place_many", place)  # noqa: B010
 
 
 def measure(client: CacheClient, args: argparse.Namespace) -> tuple[Mode, Mode]:
@@ -188,7 +195,7 @@ def measure(client: CacheClient, args: argparse.Namespace) -> tuple[Mode, Mode]:
     runs: list[tuple[Mode, Callable[[], FetchResult]]] = [(m, m.run) for m in (exact, pi)]
     if profiler is not None:
         traced = pi if args.profile == "pi" else exact
-        runs = [(m, (lambda m=m: profiled(profiler, m.run)) if m is traced else r) for m, r in runs]
+        runs = [(m, Profiled(m, profiler) if m is traced else r) for m, r in runs]
     for mode, run in runs:  # warm-up, untimed
         run()
         mode.best = float("inf")

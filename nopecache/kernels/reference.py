@@ -201,17 +201,17 @@ def rerope_scatter_layers_reference(
         # op over [layers, chunk, heads, rotary_dim], not one per layer: a block of a few
         # dozen tokens is too small for per-op overheads to amortise), then written out
         # layer by layer.
-        chunk = writer.align(_chunk_tokens(spec, layers * heads, tokens))
+        chunks = writer.chunks(_chunk_tokens(spec, layers * heads, tokens), tokens)
+        chunk = max(b - a for a, b in chunks)
         delta = position_delta(src, pos, tokens, device)
         rotator = _Rotator(spec, delta, rotation_scale(src, pos, spec), layers, heads, chunk)
         buffer = None
         if writer.run_start is None:
             buffer = torch.empty((layers, chunk, heads, head_dim), dtype=cache_dtype, device=device)
-        for a in range(0, tokens, chunk):
-            b = min(a + chunk, tokens)
+        for a, b in chunks:
             if buffer is None:  # consecutive slots: rotate straight into the cache
                 direct = [writer.slice(k_caches[layer], a, b) for layer in range(layers)]
-                rotator.apply_into(k_nope[:, a:b], direct, a)
+                rotator.apply_into(k_nope[:, a:b], [d for d in direct if d is not None], a)
                 continue
             rows = buffer[:, : b - a]
             rotator.apply(k_nope[:, a:b], rows, a, copy_pass=True)
@@ -332,6 +332,7 @@ class _SlotWriter:
         self.block_size = block_size
         self.indexed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.runs: list[tuple[int, int, int, int]] | None = None
+        self._clipped: tuple[tuple[int, int], list[tuple[int, int, int, int]]] | None = None
         if not strided.is_contiguous():
             self.run_start: int | None = None
             self.blocks: torch.Tensor | None = None
@@ -343,17 +344,41 @@ class _SlotWriter:
             self.blocks = None if self.run_start is not None else _whole_blocks(slots, block_size)
         self.on_cpu = slots.device.type == "cpu"
 
-    def align(self, chunk: int) -> int:
-        """``chunk`` tokens rounded so that chunks never split a block in block mode."""
-        if self.blocks is None:
-            return chunk
-        return max(self.block_size, chunk // self.block_size * self.block_size)
+    def chunks(self, chunk: int, tokens: int) -> list[tuple[int, int]]:
+        """Token ranges ``[a, b)`` of about ``chunk`` tokens covering ``tokens``, cut where
+        writes split anyway: block mode at whole blocks, runs at run ends (a chunk takes
+        whole runs, at least one: a run never spans two chunks, so it stays one copy)."""
+        if self.runs is not None:
+            cuts, a = [], 0
+            for start, end, _, _ in self.runs:
+                if end - a > chunk and start > a:
+                    cuts.append((a, start))
+                    a = start
+            cuts.append((a, tokens))
+            return cuts
+        if self.blocks is not None:
+            chunk = max(self.block_size, chunk // self.block_size * self.block_size)
+        return [(a, min(a + chunk, tokens)) for a in range(0, tokens, chunk)]
 
     def slice(self, cache: torch.Tensor, a: int, b: int) -> torch.Tensor | None:
         """The cache rows of tokens ``a..b`` as a view, when they are consecutive."""
         if self.run_start is None:
             return None
         return cache.view(-1, *cache.shape[2:])[self.run_start + a : self.run_start + b]
+
+    def _runs_in(self, a: int, b: int) -> list[tuple[int, int, int, int]]:
+        """Runs within tokens ``[a, b)``: rows ``lo..hi`` of a chunk starting at ``a`` go to
+        ``block``, offsets ``at..`` (kept for the next call: every layer asks the same)."""
+        if self._clipped is not None and self._clipped[0] == (a, b):
+            return self._clipped[1]
+        assert self.runs is not None
+        out = []
+        for start, end, block, offset in self.runs:
+            lo, hi = max(start, a), min(end, b)
+            if lo < hi:
+                out.append((lo - a, hi - a, block, offset + lo - start))
+        self._clipped = ((a, b), out)
+        return out
 
     def write_all(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` (every token, cache dtype) to their slots."""
@@ -367,11 +392,8 @@ class _SlotWriter:
         """Write ``rows`` (tokens ``a..``, contiguous, cache dtype) to their slots."""
         b = a + rows.shape[0]
         if self.runs is not None:
-            for start, end, block, offset in self.runs:
-                lo, hi = max(start, a), min(end, b)
-                if lo < hi:
-                    at = offset + lo - start
-                    cache[block, at : at + hi - lo].copy_(rows[lo - a : hi - a])
+            for lo, hi, block, at in self._runs_in(a, b):
+                cache[block, at : at + hi - lo].copy_(rows[lo:hi])
             return
         if self.indexed is not None:
             blocks, offsets = self.indexed
