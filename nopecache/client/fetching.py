@@ -11,8 +11,12 @@
 
 Blocks are handed to the worker the moment their last frame arrives, so block n is
 placed while block n+1 is still on the wire (torch releases the GIL, the loop keeps
-reading). Nothing is issued into the engine's cache after ``place`` returns or raises: a
-cancelled fetch stops the queued jobs and waits for the running one.
+reading). Into a paged cache off CUDA, the blocks that arrived while the worker was busy
+are placed together by its next job (each verified on its own; adjacent hits share one
+rotation and one write per cache page: ``placement.place_parts``), so small
+position-independent blocks cost about what large exact-prefix ones do per byte. Nothing
+is issued into the engine's cache after ``place`` returns or raises: a cancelled fetch
+stops the queued jobs and waits for the running one.
 
 On CUDA the worker issues copies and kernels on the device and stream the ``PagedKV``
 captured on the engine's thread, so ``place`` returns once they are *issued*:
