@@ -35,11 +35,18 @@ bound (tokens that appeared in an earlier request at any position, computed from
 Answers to the requests that ask for a fact are checked for it, as bench/vllm_blend.py does.
 
 Last line: ``RESULT serve_rps_vs_nocache=... serve_rps_vs_lmcache=... ttft_p50_vs_nocache=...
-ttft_p99_vs_nocache=... hit_vs_bound=... blend_fact_kept=... failed_requests=...``, ratios of
-blend mode: requests/s over no cache's (target >= 2.0) and over LMCache's (>= 1.3), TTFT
-p50 and p99 over no cache's (below 1: faster), blend's cache share over the content bound
-(>= 0.85), of the fact requests whose no-cache answer holds the fact the share whose blend
-answer does, and the requests that failed in all configurations (target 0).
+ttft_p99_vs_nocache=... hit_vs_bound=... blend_fact_kept=... failed_requests=...
+blend_load_mb_s=... prefix_load_mb_s=...``, ratios of blend mode: requests/s over no
+cache's (target >= 2.0) and over LMCache's (>= 1.3), TTFT p50 and p99 over no cache's
+(below 1: faster), blend's cache share over the content bound (>= 0.85), of the fact
+requests whose no-cache answer holds the fact the share whose blend answer does, and the
+requests that failed in all configurations (target 0); then the connector's load data
+path in blend and in prefix mode: 10^6 block bytes fetched per second of fetching and
+placing them into vLLM's pages (``vllm:nopecache_fetched_bytes`` over
+``vllm:nopecache_fetch_seconds``, both engines; blend's layer loop excluded, so the two
+compare: issue 33's target is blend within 1.5x of prefix; ``skipped`` when the
+configuration did not run, ``nan`` when it loaded nothing). bench/pi_placement.py
+measures the same without an engine.
 """
 
 from __future__ import annotations
@@ -90,6 +97,8 @@ RESULT_KEYS = (
     "hit_vs_bound",
     "blend_fact_kept",
     "failed_requests",
+    "blend_load_mb_s",
+    "prefix_load_mb_s",
 )
 
 CONFIGS = ("nocache", "prefix", "blend", "lmcache")
@@ -143,6 +152,15 @@ class ConfigResult:
                 "vllm:nopecache_loaded_pi_tokens", 0.0
             )
         return c.get("vllm:external_prefix_cache_hits", 0.0)
+
+    @property
+    def load_mb_s(self) -> float:
+        """The connector's fetch and placement rate: 10^6 bytes fetched per second spent
+        fetching and placing (layer loops excluded); nan when nothing was fetched."""
+        seconds = self.counters.get("vllm:nopecache_fetch_seconds", 0.0)
+        if seconds <= 0:
+            return math.nan
+        return self.counters.get("vllm:nopecache_fetched_bytes", 0.0) / seconds / 1e6
 
     @property
     def cached_tokens(self) -> float:
@@ -310,7 +328,12 @@ def summary(
         "hit_vs_bound": "skipped",
         "blend_fact_kept": "skipped",
         "failed_requests": str(sum(r.failed for r in results.values())),
+        "blend_load_mb_s": "skipped",
+        "prefix_load_mb_s": "skipped",
     }
+    for name in ("blend", "prefix"):
+        if name in results:
+            out[f"{name}_load_mb_s"] = f"{results[name].load_mb_s:.1f}"
     if "blend" in results:
         out["hit_vs_bound"] = f"{results['blend'].cache_share / bound:.4f}"
     if "blend" in results and "nocache" in results:

@@ -11,8 +11,12 @@
 
 Blocks are handed to the worker the moment their last frame arrives, so block n is
 placed while block n+1 is still on the wire (torch releases the GIL, the loop keeps
-reading). Nothing is issued into the engine's cache after ``place`` returns or raises: a
-cancelled fetch stops the queued jobs and waits for the running one.
+reading). Into a paged cache off CUDA, the blocks that arrived while the worker was busy
+are placed together by its next job (each verified on its own; adjacent hits share one
+rotation and one write per cache page: ``placement.place_parts``), so small
+position-independent blocks cost about what large exact-prefix ones do per byte. Nothing
+is issued into the engine's cache after ``place`` returns or raises: a cancelled fetch
+stops the queued jobs and waits for the running one.
 
 On CUDA the worker issues copies and kernels on the device and stream the ``PagedKV``
 captured on the engine's thread, so ``place`` returns once they are *issued*:
@@ -23,6 +27,7 @@ captured on the engine's thread, so ``place`` returns once they are *issued*:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -30,6 +35,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,10 +47,13 @@ from nopecache.client.fingerprint import ModelFingerprint
 from nopecache.client.metrics import ClientMetrics
 from nopecache.client.placement import (
     PagedKV,
+    PagedPart,
     StagingRing,
     decode_for_hit,
+    paged_part,
     place_contiguous,
     place_paged,
+    place_parts,
 )
 from nopecache.client.plan import Hit, HitKind, ReusePlan
 from nopecache.client.sharding import Rendezvous
@@ -200,6 +209,46 @@ class BlockPlacer:
             return False
         return True
 
+    def place_many(
+        self,
+        items: Sequence[tuple[FetchedBlob, Sequence[Hit]]],
+        prompt: TokenArray,
+        into: PagedKV,
+        cancelled: threading.Event,
+    ) -> list[bool]:
+        """``place`` for host blobs bound for a paged cache off CUDA: each verified on its
+        own (a bad one is a miss, the others still land), then all placed together
+        (``place_parts``: one rotation and one run of page writes for adjacent hits)."""
+        oks: list[bool] = []
+        parts: list[PagedPart] = []
+        for blob, hits in items:
+            if cancelled.is_set():
+                oks.append(False)
+                continue
+            fp = self.prefix_fingerprint if hits[0].kind is HitKind.PREFIX else self.pi_fingerprint
+            digest = payload_xxh3(blob) if isinstance(blob, memoryview) else None
+            try:
+                mine = [
+                    paged_part(
+                        decode_for_hit(blob, hit, prompt, fp, self.v_head_dim, digest), hit, into
+                    )
+                    for hit in hits
+                ]
+            except BlockError as e:
+                log.warning(
+                    "nopecache: block %s failed verification, a miss: %s", hits[0].key.hex(), e
+                )
+                self.metrics.record_verify_failure()
+                oks.append(False)
+                continue
+            oks.append(True)
+            parts.extend(p for p in mine if p is not None)
+        if cancelled.is_set():
+            return [False] * len(oks)
+        if parts:
+            place_parts(parts, into, self.rope)
+        return oks
+
 
 def _by_target(hit: Hit) -> int:
     return hit.target.start
@@ -246,6 +295,9 @@ class Download:
             self.by_key.setdefault(hit.key.value, []).append(hit)
         self.queue: asyncio.Queue[tuple[list[Hit], FetchedBlob | None] | None] = asyncio.Queue()
         self.consumed = False
+        # Blobs waiting for the worker when blocks are placed together (_place_arrived):
+        # appended on the loop thread, taken on the worker (deque ends are thread-safe).
+        self._arrived: collections.deque[tuple[int, list[Hit], FetchedBlob]] = collections.deque()
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -290,6 +342,42 @@ class Download:
             if isinstance(blob, memoryview):
                 self.pool.give(blob)
 
+    def _place_arrived(
+        self,
+        prompt: TokenArray,
+        into: PagedKV,
+        cancelled: threading.Event,
+        outcomes: dict[int, bool],
+    ) -> None:
+        """Worker thread: place, together, every blob that arrived and no earlier job took
+        (a paged cache off CUDA); each blob's outcome goes in ``outcomes`` by its index.
+
+        One job is submitted per blob, so the last job runs after the last blob arrived:
+        every blob is taken by some job. While placement keeps the worker busy, blobs pile
+        up and the next job places all of them at once (``BlockPlacer.place_many``); when
+        the worker keeps up, each job places the one blob that arrived.
+        """
+        taken: list[tuple[int, list[Hit], FetchedBlob]] = []
+        while self._arrived:
+            taken.append(self._arrived.popleft())
+        if not taken:
+            return
+        try:
+            live = [(i, hits, blob) for i, hits, blob in taken if not lapsed(blob)]
+            oks = self.placer.place_many(
+                [(blob, hits) for _, hits, blob in live], prompt, into, cancelled
+            )
+            for i, _, _ in taken:
+                outcomes[i] = False
+            for (i, _, blob), ok in zip(live, oks, strict=True):
+                # A view of the server's pool whose lease ended while it was verified and
+                # placed may have been rewritten meanwhile: failed (the engine recomputes).
+                outcomes[i] = ok and not lapsed(blob)
+        finally:
+            for _, _, blob in taken:
+                if isinstance(blob, memoryview):
+                    self.pool.give(blob)
+
     async def place(self, arr: TokenArray, into: PagedKV | None) -> FetchResult:
         """Place every block as it arrives; the result once all are placed or missed."""
         if self.consumed:
@@ -297,7 +385,12 @@ class Download:
         self.consumed = True
         out = self.placer.outputs(self.plan.num_tokens) if into is None else None
         cancelled = threading.Event()
-        jobs: list[tuple[list[Hit], concurrent.futures.Future[bool]]] = []
+        # A job returns its blob's outcome, or None when blobs are placed together and
+        # the outcome is in ``together`` by the blob's index.
+        jobs: list[tuple[list[Hit], concurrent.futures.Future[Any]]] = []
+        together: dict[int, bool] | None = (
+            {} if into is not None and into.device.type != "cuda" else None
+        )
         failed: list[Hit] = []
         nbytes = 0
         try:
@@ -308,10 +401,19 @@ class Download:
                     self.placer.metrics.record_missed()
                     continue
                 nbytes += blob.nbytes
-                job = self.worker.submit(self._place, blob, hits, arr, into, out, cancelled)
+                job: concurrent.futures.Future[Any]
+                if together is not None and into is not None and isinstance(blob, memoryview):
+                    self._arrived.append((len(jobs), hits, blob))
+                    job = self.worker.submit(self._place_arrived, arr, into, cancelled, together)
+                else:
+                    job = self.worker.submit(self._place, blob, hits, arr, into, out, cancelled)
                 jobs.append((hits, job))
             await self.task  # re-raises a bug in the streams; failures are misses already
-            results = await asyncio.gather(*(asyncio.wrap_future(j) for _, j in jobs))
+            returned = await asyncio.gather(*(asyncio.wrap_future(j) for _, j in jobs))
+            results = [
+                bool(r) if r is not None else (together or {}).get(i, False)
+                for i, r in enumerate(returned)
+            ]
         except BaseException:
             # Nothing may write into the engine's cache after we return: stop queued jobs
             # and wait for the one running.

@@ -68,10 +68,13 @@ from nopecache.proto.block import (
 
 __all__ = [
     "PagedKV",
+    "PagedPart",
     "StagingRing",
     "decode_for_hit",
+    "paged_part",
     "place_contiguous",
     "place_paged",
+    "place_parts",
     "source_positions",
 ]
 
@@ -480,6 +483,127 @@ def _place_paged(
         from_positions=from_pos,
         check_values=False,
     )
+
+
+def place_parts(parts: Sequence[PagedPart], into: PagedKV, spec: RopeSpec) -> None:
+    """Write several hits' rows (``paged_part``) into a paged cache off CUDA, together.
+
+    Hits whose K is rotated (nope K, or post-RoPE K at other positions) are placed with
+    one ``rerope_scatter_layers`` per kind of source: their K and V are joined along the
+    tokens first (one copy each), so the rotation runs once over all of them and adjacent
+    hits fill their slots in one run per cache block, instead of every hit paying each
+    layer's rotation ops and page writes for its few dozen tokens. K copied at its own
+    positions (exact-prefix blocks, already whole blocks) is placed hit by hit.
+    """
+    groups: dict[bool, list[PagedPart]] = {}
+    for part in parts:
+        if isinstance(part.source, int) and part.source == part.target:
+            _scatter([part], into, spec)  # bit-exact copy at its own positions
+        else:
+            groups.setdefault(part.source is None, []).append(part)
+    for group in groups.values():
+        batch: list[PagedPart] = []
+        size = 0
+        for part in sorted(group, key=lambda p: p.target):
+            if batch and size + part.nbytes > JOIN_BYTES:
+                _scatter(batch, into, spec)
+                batch, size = [], 0
+            batch.append(part)
+            size += part.nbytes
+        _scatter(batch, into, spec)
+
+
+JOIN_BYTES = 32 << 20
+"""K and V bytes of the hits joined into one scatter at most: what a fetch holds besides
+its blocks. Larger joins measured faster all the way to a whole 63 MB fetch
+(bench/pi_placement.py: each scatter's fixed costs, and each op that drops the GIL while
+the loop thread receives the next blocks); this bounds the extra memory, and keeps each
+joined tensor below the allocator's mmap threshold (proto/allocator.py: reused heap, no
+fresh pages to fault in)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PagedPart:
+    """The rows of one hit that land in a CPU paged cache: K and V ``[layers, n, ...]``,
+    the target start, their slots and their source positions (None: nope K)."""
+
+    k: torch.Tensor
+    v: torch.Tensor | None
+    target: int
+    slots: torch.Tensor
+    source: Positions | None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V."""
+        k = self.k.numel() * self.k.element_size()
+        return k + (0 if self.v is None else self.v.numel() * self.v.element_size())
+
+
+def paged_part(block: DecodedBlock, hit: Hit, into: PagedKV) -> PagedPart | None:
+    """What of ``hit`` lands in ``into``, a cache off CUDA (None: none of its positions
+    has a slot). Raises ``BlockMismatchError`` for source positions out of range."""
+    src, dst = hit.source, hit.target
+    keep = np.flatnonzero(into.slots_host[dst.start : dst.end] >= 0)
+    if keep.size == 0:
+        return None
+    lo, hi = int(keep[0]), int(keep[-1]) + 1
+    from_pos = _positions_on(source_positions(block, hit), into.device)
+    if isinstance(from_pos, int):
+        from_pos += lo
+    elif from_pos is not None:
+        from_pos = from_pos[lo:hi]
+    return PagedPart(
+        block.k[:, src.start + lo : src.start + hi],
+        None if block.v is None else block.v[:, src.start + lo : src.start + hi],
+        dst.start + lo,
+        into.slot_mapping[dst.start + lo : dst.start + hi],
+        from_pos,
+    )
+
+
+def _scatter(parts: Sequence[PagedPart], into: PagedKV, spec: RopeSpec) -> None:
+    """One ``rerope_scatter_layers`` for ``parts`` (in target order, one kind of source)."""
+    first = parts[0]
+    target: Positions
+    if len(parts) == 1:
+        k, v, slots, target, source = first.k, first.v, first.slots, first.target, first.source
+    else:
+        k = torch.cat([p.k for p in parts], dim=1)
+        v = None if first.v is None else torch.cat([p.v for p in parts if p.v is not None], dim=1)
+        slots = torch.cat([p.slots for p in parts])
+        target = _joined([p.target for p in parts], [p.k.shape[1] for p in parts])
+        source = (
+            None
+            if first.source is None
+            else _joined(
+                [p.source for p in parts if p.source is not None], [p.k.shape[1] for p in parts]
+            )
+        )
+    rerope_scatter_layers(
+        k,
+        v,
+        target,
+        slots,
+        into.k_caches,
+        into.v_caches,
+        spec,
+        from_positions=source,
+        check_values=False,
+    )
+
+
+def _joined(starts: Sequence[Positions], lengths: Sequence[int]) -> Positions:
+    """Positions of parts joined end to end: an int start when they run on consecutively."""
+    tensors = [
+        torch.arange(p, p + n, dtype=torch.int64) if isinstance(p, int) else p.to(torch.int64)
+        for p, n in zip(starts, lengths, strict=True)
+    ]
+    joined = torch.cat(tensors)
+    first = int(joined[0])
+    if bool((joined == torch.arange(first, first + joined.numel())).all()):
+        return first
+    return joined
 
 
 def place_contiguous(

@@ -121,10 +121,10 @@ def rotate_reference(
     in_place = out.data_ptr() == k.data_ptr()
     delta = position_delta(from_pos, to_pos, tokens, k.device)
     chunk = _chunk_tokens(spec, heads, tokens)
-    rotator = _Rotator(spec, delta, rotation_scale(from_pos, to_pos, spec), heads, chunk)
+    rotator = _Rotator(spec, delta, rotation_scale(from_pos, to_pos, spec), 1, heads, chunk)
     for a in range(0, tokens, rotator.chunk):
         b = min(a + rotator.chunk, tokens)
-        rotator.apply(k[a:b], out[a:b], a, copy_pass=not in_place)
+        rotator.apply(k[None, a:b], out[None, a:b], a, copy_pass=not in_place)
     return out
 
 
@@ -190,40 +190,48 @@ def rerope_scatter_layers_reference(
     # Same positions (a post-RoPE block used where it was computed): a plain copy, bit exact.
     copy_k = src is not None and (src is pos or (isinstance(src, int) and src == pos))
     writer = _SlotWriter(slots, block_size=k_caches[0].shape[1], strided=k_caches[0])
-    chunk = writer.align(_chunk_tokens(spec, heads, tokens))
-    rotator = None
-    if not copy_k:
+    if copy_k:
+        for layer in range(layers):
+            rows = k_nope[layer]
+            writer.write_all(
+                k_caches[layer], rows if rows.dtype == cache_dtype else rows.to(cache_dtype)
+            )
+    else:
+        # Every layer of a chunk of tokens is rotated at once (one pass of each elementwise
+        # op over [layers, chunk, heads, rotary_dim], not one per layer: a block of a few
+        # dozen tokens is too small for per-op overheads to amortise), then written out
+        # layer by layer.
+        chunks = writer.chunks(_chunk_tokens(spec, layers * heads, tokens), tokens)
+        chunk = max(b - a for a, b in chunks)
         delta = position_delta(src, pos, tokens, device)
-        rotator = _Rotator(spec, delta, rotation_scale(src, pos, spec), heads, chunk)
-    buffer = torch.empty((chunk, heads, head_dim), dtype=cache_dtype, device=device)
-    for layer in range(layers):
-        k_cache = k_caches[layer]
-        for a in range(0, tokens, chunk):
-            b = min(a + chunk, tokens)
-            direct = writer.slice(k_cache, a, b)
-            if rotator is None:
-                if direct is not None:
-                    direct.copy_(k_nope[layer, a:b])
-                else:
-                    rows = k_nope[layer, a:b]
-                    writer.write(
-                        k_cache, a, rows if rows.dtype == cache_dtype else rows.to(cache_dtype)
-                    )
-            elif direct is not None:  # consecutive slots: rotate straight into the cache
-                rotator.apply(k_nope[layer, a:b], direct, a, copy_pass=True)
-            else:
-                rows = buffer[: b - a]
-                rotator.apply(k_nope[layer, a:b], rows, a, copy_pass=True)
-                writer.write(k_cache, a, rows)
-        if v is not None and v_caches is not None:
-            writer.write(v_caches[layer], 0, v[layer].to(v_caches[layer].dtype))
+        rotator = _Rotator(spec, delta, rotation_scale(src, pos, spec), layers, heads, chunk)
+        buffer = None
+        if writer.run_start is None:
+            buffer = torch.empty((layers, chunk, heads, head_dim), dtype=cache_dtype, device=device)
+        for a, b in chunks:
+            if buffer is None:  # consecutive slots: rotate straight into the cache
+                direct = [writer.slice(k_caches[layer], a, b) for layer in range(layers)]
+                rotator.apply_into(k_nope[:, a:b], [d for d in direct if d is not None], a)
+                continue
+            rows = buffer[:, : b - a]
+            rotator.apply(k_nope[:, a:b], rows, a, copy_pass=True)
+            for layer in range(layers):
+                writer.write(k_caches[layer], a, rows[layer])
+    if v is not None and v_caches is not None:
+        for layer in range(layers):
+            writer.write_all(v_caches[layer], v[layer].to(v_caches[layer].dtype))
 
 
 class _Rotator:
-    """Rotates chunks of ``[n, heads, head_dim]`` rows with cos/sin tables built once."""
+    """Rotates chunks of ``[layers, n, heads, head_dim]`` rows with cos/sin tables built once.
+
+    Elementwise, each output element is the same fp32 expression of its input whatever
+    the number of layers (or tokens) a call covers: batching layers changes how many
+    elements one op sweeps, never what an element is computed from.
+    """
 
     def __init__(
-        self, spec: RopeSpec, delta: torch.Tensor, scale: float, heads: int, chunk: int
+        self, spec: RopeSpec, delta: torch.Tensor, scale: float, layers: int, heads: int, chunk: int
     ) -> None:
         self.spec = spec
         self.half = spec.rotary_dim // 2
@@ -234,45 +242,65 @@ class _Rotator:
         cos, sin = cos_sin(delta, spec.inv_freq_tensor(device), scale)
         rd = spec.rotary_dim
         if spec.layout == "neox":
-            # [n, 1, 1, R/2]: broadcast over heads and over the two halves of a row.
+            # [n, 1, 1, R/2]: broadcast over layers, heads and the two halves of a row.
             self.cos, self.sin = cos[:, None, None, :], sin[:, None, None, :]
         else:
             self.phase = torch.complex(cos, sin)[:, None, :]
         self.chunk = chunk
-        shape = (chunk, heads, rd)
-        self.scratch = torch.empty(shape, dtype=torch.float32, device=device)
+        self.heads = heads
+        # Flat: a chunk of n < chunk tokens is viewed as a dense [layers, n, heads, R].
+        size = layers * chunk * heads * rd
+        self.scratch = torch.empty(size, dtype=torch.float32, device=device)
         self.rotated = (
-            torch.empty(shape, dtype=torch.float32, device=device)
+            torch.empty(size, dtype=torch.float32, device=device)
             if spec.layout == "neox"
             else self.scratch
         )
 
-    def apply(self, src: torch.Tensor, dst: torch.Tensor, start: int, copy_pass: bool) -> None:
-        """Rotate ``src`` rows (tokens ``start..``) into ``dst``; ``dst`` may be ``src``."""
-        n = src.shape[0]
-        lo, hi, half = self.lo, self.hi, self.half
+    def _rotate(self, src: torch.Tensor, start: int) -> torch.Tensor:
+        """fp32 rotated dims ``[layers, n, heads, R]`` of ``src`` (tokens ``start..``)."""
+        layers, n = src.shape[0], src.shape[1]
+        heads, half = self.heads, self.half
+        shape = (layers, n, heads, 2 * half)
         rows = slice(0, 1) if self.broadcast else slice(start, start + n)
-        x = self.scratch[:n]
-        x.copy_(src[..., lo:hi])
+        x = self.scratch[: layers * n * heads * 2 * half].view(shape)
+        x.copy_(src[..., self.lo : self.hi])
         if self.spec.layout == "neox":
             # (x1, x2) * c + (-x2 * s, x1 * s): the products and sums of HF's
             # k * cos + rotate_half(k) * sin, in fp32.
             cos, sin = self.cos[rows], self.sin[rows]
-            halves = x.view(n, x.shape[1], 2, half)
-            out = self.rotated[:n]
-            out_halves = torch.mul(halves, cos, out=out.view(n, x.shape[1], 2, half))
-            out_halves[:, :, 0].addcmul_(halves[:, :, 1], sin[:, :, 0], value=-1.0)
-            out_halves[:, :, 1].addcmul_(halves[:, :, 0], sin[:, :, 0])
-        else:
-            pairs = torch.view_as_complex(x.view(n, x.shape[1], half, 2))
-            pairs.mul_(self.phase[rows])
-            out = x
+            halves = x.view(layers, n, heads, 2, half)
+            out = self.rotated[: x.numel()].view(shape)
+            out_halves = torch.mul(halves, cos, out=out.view(layers, n, heads, 2, half))
+            out_halves[..., 0, :].addcmul_(halves[..., 1, :], sin[..., 0, :], value=-1.0)
+            out_halves[..., 1, :].addcmul_(halves[..., 0, :], sin[..., 0, :])
+            return out
+        pairs = torch.view_as_complex(x.view(layers, n, heads, half, 2))
+        pairs.mul_(self.phase[rows])
+        return x
+
+    def apply(self, src: torch.Tensor, dst: torch.Tensor, start: int, copy_pass: bool) -> None:
+        """Rotate ``src`` ``[layers, n, heads, dim]`` (tokens ``start..``) into ``dst``
+        (same shape; may be ``src``)."""
+        lo, hi = self.lo, self.hi
+        out = self._rotate(src, start)
         dst[..., lo:hi].copy_(out)
         if copy_pass:
             if lo > 0:
                 dst[..., :lo].copy_(src[..., :lo])
             if hi < src.shape[-1]:
                 dst[..., hi:].copy_(src[..., hi:])
+
+    def apply_into(self, src: torch.Tensor, dsts: Sequence[torch.Tensor], start: int) -> None:
+        """Rotate ``src`` ``[layers, n, heads, dim]`` into one ``[n, heads, dim]`` per layer."""
+        lo, hi = self.lo, self.hi
+        out = self._rotate(src, start)
+        for layer, dst in enumerate(dsts):
+            dst[..., lo:hi].copy_(out[layer])
+            if lo > 0:
+                dst[..., :lo].copy_(src[layer, ..., :lo])
+            if hi < src.shape[-1]:
+                dst[..., hi:].copy_(src[layer, ..., hi:])
 
 
 class _SlotWriter:
@@ -291,28 +319,46 @@ class _SlotWriter:
     devices use ``index_copy_``.
 
     A cache that is a strided view (not contiguous: an engine's own page layout, such as
-    vLLM's CPU pages with K transposed) is written through the view itself, one indexed
-    assignment ``cache[block, offset] = rows`` per call.
+    vLLM's CPU pages with K transposed) is written through the view itself: one slice copy
+    ``cache[block, offset:offset + n] = rows`` per run of consecutive slots inside a block
+    (a hit of a few dozen tokens is one or two runs, a whole block one), or, where runs
+    are shorter than ``_MIN_RUN`` tokens on average, one indexed assignment
+    ``cache[blocks, offsets] = rows`` (an index_put: tens of microseconds even for a few
+    rows, where a slice copy takes a few).
     """
 
     def __init__(self, slots: torch.Tensor, block_size: int, strided: torch.Tensor) -> None:
         self.slots = slots
         self.block_size = block_size
         self.indexed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.runs: list[tuple[int, int, int, int]] | None = None
+        self._clipped: tuple[tuple[int, int], list[tuple[int, int, int, int]]] | None = None
         if not strided.is_contiguous():
-            self.indexed = (slots // block_size, slots % block_size)
             self.run_start: int | None = None
             self.blocks: torch.Tensor | None = None
+            self.runs = _block_runs(slots, block_size)
+            if self.runs is None:
+                self.indexed = (slots // block_size, slots % block_size)
         else:
             self.run_start = _single_run(slots)
             self.blocks = None if self.run_start is not None else _whole_blocks(slots, block_size)
         self.on_cpu = slots.device.type == "cpu"
 
-    def align(self, chunk: int) -> int:
-        """``chunk`` tokens rounded so that chunks never split a block in block mode."""
-        if self.blocks is None:
-            return chunk
-        return max(self.block_size, chunk // self.block_size * self.block_size)
+    def chunks(self, chunk: int, tokens: int) -> list[tuple[int, int]]:
+        """Token ranges ``[a, b)`` of about ``chunk`` tokens covering ``tokens``, cut where
+        writes split anyway: block mode at whole blocks, runs at run ends (a chunk takes
+        whole runs, at least one: a run never spans two chunks, so it stays one copy)."""
+        if self.runs is not None:
+            cuts, a = [], 0
+            for start, end, _, _ in self.runs:
+                if end - a > chunk and start > a:
+                    cuts.append((a, start))
+                    a = start
+            cuts.append((a, tokens))
+            return cuts
+        if self.blocks is not None:
+            chunk = max(self.block_size, chunk // self.block_size * self.block_size)
+        return [(a, min(a + chunk, tokens)) for a in range(0, tokens, chunk)]
 
     def slice(self, cache: torch.Tensor, a: int, b: int) -> torch.Tensor | None:
         """The cache rows of tokens ``a..b`` as a view, when they are consecutive."""
@@ -320,9 +366,35 @@ class _SlotWriter:
             return None
         return cache.view(-1, *cache.shape[2:])[self.run_start + a : self.run_start + b]
 
+    def _runs_in(self, a: int, b: int) -> list[tuple[int, int, int, int]]:
+        """Runs within tokens ``[a, b)``: rows ``lo..hi`` of a chunk starting at ``a`` go to
+        ``block``, offsets ``at..`` (kept for the next call: every layer asks the same)."""
+        if self._clipped is not None and self._clipped[0] == (a, b):
+            return self._clipped[1]
+        assert self.runs is not None
+        out = []
+        for start, end, block, offset in self.runs:
+            lo, hi = max(start, a), min(end, b)
+            if lo < hi:
+                out.append((lo - a, hi - a, block, offset + lo - start))
+        self._clipped = ((a, b), out)
+        return out
+
+    def write_all(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows`` (every token, cache dtype) to their slots."""
+        target = self.slice(cache, 0, rows.shape[0])
+        if target is not None:
+            target.copy_(rows)
+        else:
+            self.write(cache, 0, rows)
+
     def write(self, cache: torch.Tensor, a: int, rows: torch.Tensor) -> None:
         """Write ``rows`` (tokens ``a..``, contiguous, cache dtype) to their slots."""
         b = a + rows.shape[0]
+        if self.runs is not None:
+            for lo, hi, block, at in self._runs_in(a, b):
+                cache[block, at : at + hi - lo].copy_(rows[lo:hi])
+            return
         if self.indexed is not None:
             blocks, offsets = self.indexed
             cache[blocks[a:b], offsets[a:b]] = rows
@@ -363,6 +435,30 @@ def _assign_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, on_c
 _WORDS = [
     np.dtype(f"<u{8 if r == 0 else 4 if r % 4 == 0 else 2 if r % 2 == 0 else 1}") for r in range(8)
 ]
+
+
+_MIN_RUN = 4
+"""Shortest average run (tokens) a strided cache is written in slice copies rather than by
+one indexed assignment."""
+
+
+def _block_runs(slots: torch.Tensor, block_size: int) -> list[tuple[int, int, int, int]] | None:
+    """``(token_start, token_end, block, offset)`` of every run of consecutive slots inside a
+    block, or ``None`` when runs average fewer than ``_MIN_RUN`` tokens (or off the CPU)."""
+    if slots.device.type != "cpu":
+        return None
+    host = slots.numpy()
+    n = host.size
+    # A run breaks where the next slot is not the next one, or starts a new block.
+    breaks = np.flatnonzero((np.diff(host) != 1) | (host[1:] % block_size == 0)) + 1
+    if (breaks.size + 1) * _MIN_RUN > n:
+        return None
+    starts = np.concatenate(([0], breaks)).tolist()
+    ends = [*starts[1:], n]
+    first = host[starts].tolist()
+    return [
+        (a, b, s // block_size, s % block_size) for a, b, s in zip(starts, ends, first, strict=True)
+    ]
 
 
 def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:

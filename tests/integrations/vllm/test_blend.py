@@ -7,6 +7,7 @@ The scheduler and worker halves run against a real server with the inputs vLLM g
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -157,15 +158,18 @@ def blend_pair(cache_server: CacheServerProc) -> Any:
     b.close()
 
 
-def test_blend_claim_covers_a_moved_segment_and_salts_vllms_hashes(blend_pair: Any) -> None:
-    a, b = blend_pair
+def _moved_segment_claim(a: _Engine, b: _Engine) -> tuple[Any, list[int], int]:
+    """A stores the segment at position 0; B's prompt has it at 8..21 and claims it: the
+    request, vLLM's exact hashes of it before the claim, and the claimed tokens."""
     a.step(_request("r1", [*SEGMENT, 1, 70, 71]), [0, 1, 2, 3], 0)  # stored at position 0
     prompt = [1, *range(90, 97), *SEGMENT, 1, 80, 81, 82]  # the segment moved to 8..21
     request = _request("r2", prompt)
     exact_hashes = list(request.block_hashes)
-    claimed = b.matched(request, 0)
-    assert claimed == 20  # to the segment's last hit (21), block aligned; misses included
-    assert all(new != old for new, old in zip(request.block_hashes, exact_hashes, strict=True))
+    return request, exact_hashes, b.matched(request, 0)
+
+
+def _blend_step(b: _Engine, request: Any, claimed: int) -> Any:
+    """B's step plan once vLLM allocated the claim's blocks."""
     b.scheduler.after_alloc(request, [4, 5, 6, 7, 8, 9, 10], claimed)
     assert b.scheduler.claim_is_async("r2") is False
     output = SimpleNamespace(
@@ -174,7 +178,15 @@ def test_blend_claim_covers_a_moved_segment_and_salts_vllms_hashes(blend_pair: A
         num_scheduled_tokens={},
         total_num_scheduled_tokens=0,
     )
-    step = b.scheduler.build_step(output)
+    return b.scheduler.build_step(output)
+
+
+def test_blend_claim_covers_a_moved_segment_and_salts_vllms_hashes(blend_pair: Any) -> None:
+    a, b = blend_pair
+    request, exact_hashes, claimed = _moved_segment_claim(a, b)
+    assert claimed == 20  # to the segment's last hit (21), block aligned; misses included
+    assert all(new != old for new, old in zip(request.block_hashes, exact_hashes, strict=True))
+    step = _blend_step(b, request, claimed)
     (load,) = step.loads
     assert load.blend and (load.start, load.end) == (0, 20)
     totals = b.scheduler.totals
@@ -205,6 +217,29 @@ def test_a_measured_blend_claim_ends_where_it_saves_the_most(blend_pair: Any) ->
     request = _request("r2", prompt)
     assert b.matched(request, 0) == 16
     assert b.scheduler.totals.blend_fallbacks == 0
+
+
+def test_a_blend_loads_fetch_time_is_its_fetch_and_placement_not_the_layer_loop(
+    blend_pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fetch_seconds / fetched_bytes compare blend loads with prefix loads (bench/vllm_serve's
+    blend_load_mb_s): the layer loop after the fetch counts in load_seconds only."""
+    a, b = blend_pair
+    request, _, claimed = _moved_segment_claim(a, b)
+    step = _blend_step(b, request, claimed)
+    loop_seconds = 0.2
+
+    def slow_loop(spec: Any, result: Any) -> None:  # stands in for the layer loop
+        time.sleep(loop_seconds)
+
+    monkeypatch.setattr(b.worker, "_blend_one", slow_loop)
+    b.load(step)
+    report = b.worker.take_report()
+    assert report is not None and report.fetched_bytes > 0
+    # The loop's time is in load_seconds and not in fetch_seconds, however long the fetch
+    # took on this machine.
+    assert report.fetch_seconds > 0
+    assert report.load_seconds - report.fetch_seconds >= loop_seconds
 
 
 def test_an_engine_without_blend_support_claims_prefixes_only(
