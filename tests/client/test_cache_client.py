@@ -20,7 +20,6 @@ from nopecache.client import (
     InvalidArgumentError,
     ModelFingerprint,
     PagedKV,
-    content_chunks,
     storing,
 )
 from nopecache.client.bulk import BulkSource
@@ -29,7 +28,7 @@ from nopecache.client.sharding import Rendezvous
 from nopecache.client.transport import BlockSource, FastPathFactory, ServerConnection, ServerInfo
 from nopecache.kernels import RopeSpec
 from nopecache.kernels.reference import rotate_reference
-from nopecache.proto.block import StoredForm, encode_block
+from nopecache.proto.block import StoredForm
 from tests.support.client_harness import (
     CHUNKER,
     DIM,
@@ -42,6 +41,7 @@ from tests.support.client_harness import (
     fingerprint,
     kv,
     prompt,
+    put_forged_chunk,
 )
 from tests.support.redis_procs import RedisProc
 from tests.support.server_procs import CacheServerProc, ServerFactory, start_cache_servers
@@ -321,27 +321,7 @@ def test_a_block_with_other_tokens_under_a_prompt_key_is_a_miss(
     tokens = prompt(40, seed=12)
     k, v = kv(40, seed=12)
     with client(config(servers, "forged")) as c:
-        nope_fp = c.core.pi_fingerprint
-        chunks = content_chunks(nope_fp, "forged", tokens.numpy(), CHUNKER.split(tokens))
-        victim = chunks[0]
-        s, e = victim.span.start, victim.span.end
-        forged = encode_block(
-            key=victim.key.value,
-            fingerprint=nope_fp.to_bytes(),
-            form=StoredForm.NOPE,
-            k=k[:, s:e],
-            v=v[:, s:e],
-            token_ids=[t + 1 for t in tokens[s:e].tolist()],
-        )
-        owner = c.core.ring.owner(victim.key)
-
-        async def put() -> None:
-            conn = ServerConnection(owner, c.core.config)
-            (result,) = await conn.put([(victim.key.value, forged)])
-            await conn.close()
-            assert result.ok
-
-        asyncio.run(put())  # a raw Put: the server cannot tell these are the wrong tokens
+        victim = put_forged_chunk(c, "forged", tokens, (k, v), 0)
         plan = c.lookup(tokens)
         assert [h.key for h in plan.hits] == [victim.key]
         result = c.fetch(plan, tokens)

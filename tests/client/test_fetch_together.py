@@ -4,7 +4,6 @@ not cost the others, and every slot holds what one-by-one placement would write.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -14,12 +13,8 @@ import torch
 
 from nopecache.client import PagedKV
 from nopecache.client.fetching import BlockPlacer
-from nopecache.client.keys import content_chunks
-from nopecache.client.transport import ServerConnection
 from nopecache.kernels.reference import rotate_reference
-from nopecache.proto.block import StoredForm, encode_block
 from tests.support.client_harness import (
-    CHUNKER,
     DIM,
     HEADS,
     LAYERS,
@@ -28,6 +23,7 @@ from tests.support.client_harness import (
     config,
     kv,
     prompt,
+    put_forged_chunk,
 )
 from tests.support.server_procs import CacheServerProc, start_cache_servers
 
@@ -60,27 +56,10 @@ def test_blocks_that_waited_are_placed_together_and_a_bad_one_is_a_miss(
 
     monkeypatch.setattr(BlockPlacer, "place_many", counted)
     with client(config(servers, "together")) as c:
-        # One block's key holds a block of other tokens: a miss.
-        nope_fp = c.core.pi_fingerprint
-        chunks = content_chunks(nope_fp, "together", chunk.numpy(), CHUNKER.split(chunk))
-        victim = chunks[-2]  # well past where the shifted chunking resynchronises
-        s, e = victim.span.start, victim.span.end
-        forged = encode_block(
-            key=victim.key.value,
-            fingerprint=nope_fp.to_bytes(),
-            form=StoredForm.NOPE,
-            k=k[:, s:e],
-            v=v[:, s:e],
-            token_ids=[t + 1 for t in chunk[s:e].tolist()],
-        )
-
-        async def put() -> None:
-            conn = ServerConnection(c.core.ring.owner(victim.key), c.core.config)
-            (result,) = await conn.put([(victim.key.value, forged)])
-            await conn.close()
-            assert result.ok
-
-        asyncio.run(put())  # first: the store then finds the key present and keeps it
+        # One block's key holds a block of other tokens: a miss. Put first: the store then
+        # finds the key present and keeps it. The chunk well past where the shifted
+        # chunking resynchronises.
+        victim = put_forged_chunk(c, "together", chunk, (k, v), -2)
         c.store(chunk, (k, v))
         plan = c.lookup(new)
         assert victim.key in [h.key for h in plan.hits] and len(plan.hits) >= 3

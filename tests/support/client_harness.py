@@ -4,6 +4,8 @@ fingerprint, a client of it, a config for server processes, and seeded prompts a
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from nopecache.client import (
@@ -14,8 +16,10 @@ from nopecache.client import (
     RetryPolicy,
 )
 from nopecache.client.cost import CostConfig
+from nopecache.client.keys import KeyedChunk, content_chunks
+from nopecache.client.transport import ServerConnection
 from nopecache.kernels import RopeSpec
-from nopecache.proto.block import StoredForm
+from nopecache.proto.block import StoredForm, encode_block
 from tests.support.server_procs import CacheServerProc
 
 LAYERS, HEADS, DIM = 2, 2, 8
@@ -71,3 +75,36 @@ def kv(n: int, seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Ten
     g = torch.Generator().manual_seed(seed)
     shape = (LAYERS, n, HEADS, DIM)
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def put_forged_chunk(
+    c: CacheClient,
+    namespace: str,
+    tokens: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    index: int,
+) -> KeyedChunk:
+    """Put, raw, a block of other tokens (each id + 1) under the key of ``tokens``'s content
+    chunk ``index`` (``CHUNKER``, the client's own PI fingerprint): the server cannot tell,
+    the client's verification must. Returns that chunk."""
+    k, v = kv
+    nope_fp = c.core.pi_fingerprint
+    victim = content_chunks(nope_fp, namespace, tokens.numpy(), CHUNKER.split(tokens))[index]
+    s, e = victim.span.start, victim.span.end
+    forged = encode_block(
+        key=victim.key.value,
+        fingerprint=nope_fp.to_bytes(),
+        form=StoredForm.NOPE,
+        k=k[:, s:e],
+        v=v[:, s:e],
+        token_ids=[t + 1 for t in tokens[s:e].tolist()],
+    )
+
+    async def put() -> None:
+        conn = ServerConnection(c.core.ring.owner(victim.key), c.core.config)
+        (result,) = await conn.put([(victim.key.value, forged)])
+        await conn.close()
+        assert result.ok
+
+    asyncio.run(put())
+    return victim
