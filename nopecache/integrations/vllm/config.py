@@ -27,6 +27,12 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      WAITING_FOR_REMOTE_KVS); false: fetch before the
                                      step's forward. Blend claims always load right
                                      before their forward (their layer loop runs there)
+    layerwise    bool   false        move KV layer by layer beside the forward: a step's
+                                     synchronous loads are written into each layer as
+                                     the forward reaches it (vLLM's wait_for_layer_load),
+                                     saves copied out as each layer is computed
+                                     (save_kv_layer); false: loads placed before the
+                                     forward, saves gathered after it (layerwise.py)
     lookup_wait_ms
                  float  2.0          how long vLLM's scheduler waits for a lookup before
                                      answering "not yet" (the request is asked again on
@@ -226,6 +232,7 @@ class ConnectorConfig:
     namespace: str = ""
     load: bool = True
     load_async: bool = True
+    layerwise: bool = False
     lookup_wait_ms: float = 2.0
     save: bool = True
     segment_token_ids: frozenset[int] = frozenset()
@@ -244,6 +251,7 @@ class ConnectorConfig:
         "namespace",
         "load",
         "load_async",
+        "layerwise",
         "lookup_wait_ms",
         "save",
         "segment_token_ids",
@@ -367,6 +375,7 @@ class ConnectorConfig:
             namespace=namespace,
             load=_bool("load", extra.get("load", role != "kv_producer")),
             load_async=_bool("load_async", extra.get("load_async", True)),
+            layerwise=_bool("layerwise", extra.get("layerwise", False)),
             save=_bool("save", extra.get("save", role != "kv_consumer")),
             segment_token_ids=_token_ids("segment_token_ids", extra.get("segment_token_ids", [])),
         )

@@ -261,7 +261,12 @@ class NopecacheConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step's plan and start timing the step."""
         super().bind_connector_metadata(connector_metadata)
-        self._worker_side().begin_step()
+        plan = (
+            connector_metadata.step
+            if isinstance(connector_metadata, NopecacheConnectorMetadata)
+            else None
+        )
+        self._worker_side().begin_step(plan)
 
     def _step(self) -> StepPlan:
         meta = self._get_connector_metadata()
@@ -269,11 +274,13 @@ class NopecacheConnector(KVConnectorBase_V1):
         return meta.step
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Fetch and place this step's loads (synchronously, before the forward)."""
+        """Start this step's loads: placed before the forward returns here, or with
+        ``layerwise`` written layer by layer beside it (layerwise.py)."""
         self._worker_side().load(self._step())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in start_load_kv: nothing to wait for."""
+        """With ``layerwise``: return once this layer's loads are written."""
+        self._worker_side().wait_for_layer(layer_name)
 
     def save_kv_layer(
         self,
@@ -282,7 +289,8 @@ class NopecacheConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """Saves copy whole blocks once the forward is done (wait_for_save)."""
+        """With ``layerwise``: copy this layer's blocks of the step's saves out now."""
+        self._worker_side().save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Copy finished prompts' blocks out and queue their stores."""

@@ -132,9 +132,9 @@ class KVLayout(ABC):
 
             cache (device) --index_select--> staging (device, one layer) --copy--> host
 
-        The staging holds one layer, not the whole request: vLLM gives the KV cache most
-        of the GPU's memory, so a whole request's KV gathered there at once could fail to
-        allocate. The copies are queued on the device's current stream (after the forward
+        (``layer_to_host``, one layer at a time). The staging holds one layer, not the
+        whole request: vLLM gives the KV cache most of the GPU's memory, so a whole
+        request's KV gathered there at once could fail to allocate. The copies are queued on the device's current stream (after the forward
         that wrote the blocks) and waited for before returning: the client's store queue
         reads the host tensors on another thread.
         """
@@ -145,20 +145,28 @@ class KVLayout(ABC):
         k = torch.empty(shape, dtype=caches[0].dtype, pin_memory=on_cuda)
         v = torch.empty(shape, dtype=caches[0].dtype, pin_memory=on_cuda)
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=device)
-        if device.type == "cpu":
-            for layer, cache in enumerate(caches):
-                self.read_blocks_into(cache, ids, k[layer], v[layer])
-            return k, v
-        staging_k = torch.empty(shape[1:], dtype=k.dtype, device=device)
-        staging_v = torch.empty(shape[1:], dtype=v.dtype, device=device)
         for layer, cache in enumerate(caches):
-            # Stream order keeps the next gather from overwriting staging before its copy.
-            self.read_blocks_into(cache, ids, staging_k, staging_v)
-            k[layer].copy_(staging_k, non_blocking=on_cuda)
-            v[layer].copy_(staging_v, non_blocking=on_cuda)
+            self.layer_to_host(cache, ids, k[layer], v[layer])
         if on_cuda:
             torch.cuda.current_stream(device).synchronize()
         return k, v
+
+    def layer_to_host(
+        self, cache: torch.Tensor, block_ids: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> None:
+        """Copy whole blocks of one layer into host ``k_out``/``v_out`` ``[len(block_ids) *
+        block_size, H, D]``: straight into them for a CPU cache; for a CUDA one through
+        a one-layer device staging, the copy queued on the current stream (the caller
+        synchronizes it before reading the outputs; the allocator keeps the staging
+        until the queued copy has read it)."""
+        if cache.device.type == "cpu":
+            self.read_blocks_into(cache, block_ids, k_out, v_out)
+            return
+        staging_k = torch.empty(k_out.shape, dtype=k_out.dtype, device=cache.device)
+        staging_v = torch.empty(v_out.shape, dtype=v_out.dtype, device=cache.device)
+        self.read_blocks_into(cache, block_ids, staging_k, staging_v)
+        k_out.copy_(staging_k, non_blocking=True)
+        v_out.copy_(staging_v, non_blocking=True)
 
 
 def _describe(cache: torch.Tensor) -> str:

@@ -52,6 +52,7 @@ from torch import nn
 from nopecache.client.errors import NopecacheError
 from nopecache.client.fetching import FetchResult
 from nopecache.client.head_groups import HeadGroup, rekey_plan
+from nopecache.client.placement import PagedKV
 from nopecache.client.sync_client import CacheClient
 from nopecache.integrations.vllm.blend import blend_layout
 from nopecache.integrations.vllm.blend_loop import (
@@ -62,6 +63,7 @@ from nopecache.integrations.vllm.blend_loop import (
 )
 from nopecache.integrations.vllm.config import ConnectorConfig, ModelIdentity
 from nopecache.integrations.vllm.gate import Tokenize, calibrate
+from nopecache.integrations.vllm.layerwise import LayerLoads, LayerSaves, LoadStaging
 from nopecache.integrations.vllm.layout import (
     CpuAttnLayout,
     KVLayout,
@@ -108,6 +110,15 @@ def _ranks() -> int:
     """Ranks in the default process group (1 when there is none)."""
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@dataclasses.dataclass(slots=True)
+class _Staged:
+    """A layer-wise load fetched into its staging, waiting for its layers to be written."""
+
+    spec: LoadSpec
+    staging: LoadStaging
+    result: FetchResult
 
 
 def layer_index(name: str) -> int:
@@ -160,6 +171,13 @@ class WorkerSide:
         # Why position-independent store and load are off (None: on); rope_check.py.
         self.pi_refused: str | None = None
         self.rope_check: RopeCheck | None = None
+        # layerwise=true: the step's synchronous loads and its saves move layer by layer
+        # beside the forward (layerwise.py).
+        self._layer_loads: LayerLoads[_Staged] | None = (
+            LayerLoads(model.num_layers) if config.layerwise else None
+        )
+        self._layer_saves: LayerSaves | None = None
+        self._layer_index: dict[str, int] = {}
 
     # -- set-up -----------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
@@ -190,6 +208,9 @@ class WorkerSide:
                 )
         self.layout = layouts[0]
         self.caches = tuple(cache for _, cache in ordered)
+        self._layer_index = {name: i for i, (name, _) in enumerate(ordered)}
+        if self.config.layerwise:
+            self._layer_saves = LayerSaves(self.layout, self.caches)
         return self.layout
 
     def bind_model(self, attention_layers: Mapping[str, nn.Module]) -> None:
@@ -300,20 +321,113 @@ class WorkerSide:
         log.warning("nopecache: blend mode unavailable in this worker (%s)", reason)
 
     # -- per step ---------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Mark the start of a step (before its loads and forward)."""
+    def begin_step(self, plan: StepPlan | None = None) -> None:
+        """Mark the start of a step (before its loads and forward); with ``layerwise``,
+        make room for ``plan``'s saves to be copied layer by layer."""
         self._step_start = time.perf_counter()
         self._load_seconds = 0.0
         if self.quality is not None:
             self.quality.step_began()
+        if self._layer_saves is not None and plan is not None and self.groups:
+            self._layer_saves.clear()
+            for spec in plan.saves:
+                _, block_ids = self._save_extent(spec)
+                if block_ids:
+                    self._layer_saves.prepare(spec.req_id, block_ids)
 
     def load(self, plan: StepPlan) -> None:
-        """Fetch and place every load of the step; failures become load errors."""
+        """Fetch and place every load of the step; failures become load errors.
+
+        With ``layerwise``, the synchronous non-blend loads start on the layer thread
+        and this returns at once: ``wait_for_layer`` holds each layer of the forward
+        until it is written (layerwise.py)."""
+        layered: list[LoadSpec] = []
         for spec in plan.loads:
             if spec.asynchronous:
                 self._pending[spec.req_id] = self._loader.submit(self._timed_load, spec)
+            elif self._layer_loads is not None and not spec.blend:
+                layered.append(spec)
             else:
                 self._load_seconds += self._timed_load(spec)
+        if layered:
+            assert self._layer_loads is not None
+            self._layer_loads.start(
+                lambda: self._stage_all(layered), self._write_layer, self._count_staged
+            )
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Return once the step's layer-wise loads wrote ``layer_name``'s K/V."""
+        if self._layer_loads is not None and self._layer_loads.active:
+            self._layer_loads.wait(self._layer_index[layer_name])
+
+    def save_layer(self, layer_name: str) -> None:
+        """Copy ``layer_name``'s blocks of the step's saves out (the forward wrote them)."""
+        if self._layer_saves is not None:
+            self._layer_saves.copy_layer(self._layer_index[layer_name])
+
+    def _finish_layer_loads(self) -> None:
+        """Wait for the step's layer-wise loads (every layer of them was waited for in a
+        normal forward) and account for their time."""
+        loads = self._layer_loads
+        if loads is None or not loads.active:
+            return
+        try:
+            seconds = loads.finish()
+        except Exception:  # _stage_all and _write_layer catch their own: a bug
+            log.exception("nopecache: layer-wise loads failed")
+            seconds = 0.0
+        self._load_seconds += loads.waited
+        with self._lock:
+            self._report.load_seconds += seconds
+
+    def _stage_all(self, specs: Sequence[LoadSpec]) -> list[_Staged]:
+        """Fetch every load of the step into its staging (on the layer thread)."""
+        staged = []
+        for spec in specs:
+            try:
+                item = self._stage_one(spec)
+            except Exception:  # a bug here must cost a recompute, never the engine
+                log.exception("nopecache: loading %s failed; vLLM recomputes it", spec.req_id)
+                self._fail(spec, range(spec.start, spec.end))
+                with self._lock:
+                    self._report.load_failures += 1
+                continue
+            if item is not None:
+                staged.append(item)
+        return staged
+
+    def _stage_one(self, spec: LoadSpec) -> _Staged | None:
+        assert self.layout is not None
+        slots = self._slot_mapping(spec)[spec.start : spec.end]
+        staging = LoadStaging.for_claim(
+            self.layout, self.model.num_layers, self.model.dtype, spec.start, slots.cpu()
+        )
+        result = self._fetch_checked(spec, lambda heads: staging.paged(spec.plan.num_tokens, heads))
+        if result is None:
+            return None
+        staging.rows = self._loaded_end(spec, result) - spec.start
+        return _Staged(spec, staging, result)
+
+    def _write_layer(self, item: _Staged, layer: int) -> None:
+        if item.staging.failed:
+            return
+        assert self.layout is not None
+        try:
+            item.staging.write_layer(self.layout, self.caches[layer], layer)
+        except Exception:  # never a partial placement: the whole claim is recomputed
+            log.exception(
+                "nopecache: writing layer %d of %s failed; vLLM recomputes it",
+                layer,
+                item.spec.req_id,
+            )
+            item.staging.failed = True
+            self._fail(item.spec, range(item.spec.start, item.spec.end))
+            with self._lock:
+                self._report.load_failures += 1
+
+    def _count_staged(self, item: _Staged) -> None:
+        if not item.staging.failed:
+            self._count_loaded(item.spec, item.result, item.spec.start + item.staging.rows)
 
     def _timed_load(self, spec: LoadSpec) -> float:
         start = time.perf_counter()
@@ -355,24 +469,44 @@ class WorkerSide:
         return slots.to(self.caches[0].device)
 
     def _load_one(self, spec: LoadSpec) -> None:
-        claimed = range(spec.start, spec.end)
-        if not self.groups or self.layout is None:
-            self._fail(spec, claimed)
+        if self.layout is None:
+            self._fail(spec, range(spec.start, spec.end))
             return
+        layout, caches, slots = self.layout, self.caches, self._slot_mapping(spec)
+        result = self._fetch_checked(spec, lambda heads: layout.paged(caches, slots, heads))
+        if result is None:
+            return
+        if spec.blend:
+            self._blend_one(spec, result)
+            return
+        self._count_loaded(spec, result, self._loaded_end(spec, result))
+
+    def _fetch_checked(
+        self, spec: LoadSpec, into: Callable[[slice | None], PagedKV]
+    ) -> FetchResult | None:
+        """Fetch ``spec`` into the paged targets ``into(heads)`` makes; None (its claim
+        failed) when there is no client or the fetch raised."""
+        claimed = range(spec.start, spec.end)
+        if not self.groups:
+            self._fail(spec, claimed)
+            return None
         started = time.perf_counter()
         try:
-            result = self._fetch_groups(spec)
+            result = self._fetch_groups(spec, into)
         except NopecacheError as err:
             log.warning("nopecache fetch for %s failed: %s", spec.req_id, err)
             self._fail(spec, claimed)
-            return
+            return None
         if result.nbytes:  # the scheduler's cost check prices fetches with these
             with self._lock:
                 self._report.fetched_bytes += result.nbytes
                 self._report.fetch_seconds += time.perf_counter() - started
-        if spec.blend:
-            self._blend_one(spec, result)
-            return
+        return result
+
+    def _loaded_end(self, spec: LoadSpec, result: FetchResult) -> int:
+        """Where what the fetch placed of the claim ends (a block boundary when some
+        position failed: those from its block on are failed loads, vLLM recomputes)."""
+        claimed = range(spec.start, spec.end)
         mask = result.mask[spec.start : spec.end]
         placed = int(mask.sum())
         loaded_end = spec.end
@@ -387,21 +521,23 @@ class WorkerSide:
             self._fail(spec, range(min(missing), spec.end))
             # vLLM recomputes from the failed position's block on: only before it loaded.
             loaded_end = min(missing) - min(missing) % self.model.block_size
+        return loaded_end
+
+    def _count_loaded(self, spec: LoadSpec, result: FetchResult, loaded_end: int) -> None:
         with self._lock:
             exact_end = min(spec.plan.prefix_end, loaded_end)
             self._report.loaded_exact_tokens += max(0, exact_end - spec.start)
-            self._report.loaded_pi_tokens += spec.pi_tokens if placed == len(claimed) else 0
+            self._report.loaded_pi_tokens += spec.pi_tokens if loaded_end == spec.end else 0
             self._report.loaded_bytes += result.nbytes
 
-    def _fetch_groups(self, spec: LoadSpec) -> FetchResult:
-        """Fetch every head group of the rank into its heads of the claimed slots.
+    def _fetch_groups(self, spec: LoadSpec, into: Callable[[slice | None], PagedKV]) -> FetchResult:
+        """Fetch every head group of the rank into its heads of the claimed slots
+        (``into(heads)``: vLLM's pages, or a layer-wise load's staging).
 
         Every block lands in vLLM's pages through the client's paged contract and the
         fused re-RoPE scatter: no whole-plan tensor, no second copy. A position counts
         as loaded when every group's block for it loaded (the masks' AND).
         """
-        assert self.layout is not None
-        slots = self._slot_mapping(spec)
         lookup = self.model.lookup_fingerprint
         result: FetchResult | None = None
         for group, client in self.groups:
@@ -413,7 +549,7 @@ class WorkerSide:
             heads = None
             if group.num_heads != self.model.rank_kv_heads:
                 heads = slice(group.local_start, group.local_start + group.num_heads)
-            got = client.fetch(plan, spec.tokens, into=self.layout.paged(self.caches, slots, heads))
+            got = client.fetch(plan, spec.tokens, into=into(heads))
             if got.ready is not None:
                 got.ready.synchronize()  # placed before vLLM's forward reads the pages
             result = (
@@ -489,7 +625,9 @@ class WorkerSide:
             self._report.blend_fallbacks += 1
 
     def save(self, plan: StepPlan) -> None:
-        """Copy every save's blocks out of the cache and queue their store."""
+        """Copy every save's blocks out of the cache and queue their store (with
+        ``layerwise``, the copies ``save_layer`` made during the forward)."""
+        self._finish_layer_loads()
         if self.quality is not None:
             self.quality.step_ended()
         if self.groups and self.layout is not None:
@@ -505,18 +643,26 @@ class WorkerSide:
                 self.acks.ensure(spec.req_id)
         self._end_step(plan)
 
+    def _save_extent(self, spec: SaveSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The tokens of ``spec`` this worker stores and the blocks holding them."""
+        tokens, block_ids = spec.tokens, spec.block_ids
+        if spec.exact_end is not None and self.pi_refused is not None:
+            # Nothing past the exact part to key.
+            bs = self.model.block_size
+            tokens, block_ids = tokens[: spec.exact_end], block_ids[: spec.exact_end // bs]
+        return tokens, block_ids[: -(-len(tokens) // self.model.block_size)]
+
     def _save_one(self, spec: SaveSpec) -> None:
         assert self.layout is not None
         pi = self.pi_refused is None
-        tokens, block_ids = spec.tokens, spec.block_ids
-        if spec.exact_end is not None and not pi:  # nothing past the exact part to key
-            bs = self.model.block_size
-            tokens, block_ids = tokens[: spec.exact_end], block_ids[: spec.exact_end // bs]
+        tokens, block_ids = self._save_extent(spec)
         n = len(tokens)
         if n == 0:
             return
-        # Whole blocks (the last one partial), gathered on the caches' device.
-        k, v = self.layout.blocks_to_host(self.caches, block_ids)
+        # Whole blocks (the last one partial): as the layers copied them during the
+        # forward (layerwise), or gathered now on the caches' device.
+        copied = None if self._layer_saves is None else self._layer_saves.take(spec.req_id)
+        k, v = copied if copied is not None else self.layout.blocks_to_host(self.caches, block_ids)
         k, v = k[:, :n], v[:, :n]
         stored = True
         for group, client in self.groups:
@@ -597,5 +743,7 @@ class WorkerSide:
     def close(self) -> None:
         """Wait for background loads, then stop their thread (and the blend checks')."""
         self._loader.shutdown(wait=True)
+        if self._layer_loads is not None:
+            self._layer_loads.close()
         if self.quality is not None:
             self.quality.close()

@@ -173,6 +173,10 @@ def test_url_and_extra_namespaces_that_differ_are_refused() -> None:
             "['pi_reuse']: must be one of off, contiguous, blend, got 'blended'",
         ),
         ({"url": URL, "save": "yes"}, "kv_connector_extra_config['save']: must be true or false"),
+        (
+            {"url": URL, "layerwise": 1},
+            "kv_connector_extra_config['layerwise']: must be true or false",
+        ),
         ({"url": URL, "namespace": 3}, "kv_connector_extra_config['namespace']: must be a string"),
     ],
 )
