@@ -10,6 +10,10 @@ every hit comes through the connector):
     local   no connector, vLLM's own prefix cache on, on the measured engine's core: the
             local-hit baseline (a hit that moves no bytes: what a hit can cost at best)
     ref     no connector: the no-cache reference of the quality scenario
+    sync    connector on, ``load_async=false``: loads placed before the forward, saves
+            gathered after it (``layerwise=false``), on the measured engine's core
+    layered the same with ``layerwise=true``: loads written layer by layer as the forward
+            reaches each layer, saves copied out layer by layer
 
 1. Exact prefix. Each round takes a new ~1.4k-token document as the system message;
    ``load`` answers it plus a question (``max_tokens=1``: TTFT) while nothing is stored
@@ -19,7 +23,14 @@ every hit comes through the connector):
    answer is a local prefix-cache hit of the same blocks (``ttft_local_hit_ms``), and
    ``remote_hit_vs_local_hit`` is nopecache's cached TTFT over it (target <= 1.25).
    Rounds interleave cold, cached and local; medians of 3.
-2. Truncated history with ``pi_reuse="contiguous"``: ``store`` answers a long chat; the
+2. Layer-wise against synchronous, the same claims: each round ``store`` stores a new
+   document with a question; ``sync`` and ``layered`` (in alternating order) each answer
+   a cold prompt (a document of the same size nobody stored: prefill plus the save of the
+   whole prompt) and then the stored document with a question (cached: the claim loaded,
+   the rest computed, the whole prompt saved). The two engines' questions alternate too.
+   ``layerwise_vs_sync`` is the cached TTFT ratio (loads and saves),
+   ``layerwise_cold_vs_sync`` the cold one (saves only); medians of the rounds.
+3. Truncated history with ``pi_reuse="contiguous"``: ``store`` answers a long chat; the
    same chat with its oldest turns dropped is teacher-forced over the reference's 64-token
    greedy continuation: top-1 agreement and KL (over the reference's top 20 logprobs) of
    ``load``'s next-token distributions against ``ref``'s.
@@ -34,7 +45,8 @@ sortedcontainers aiofile caio opentelemetry-exporter-prometheus``).
 
 Last line: ``RESULT ttft_cold_ms=... ttft_cached_ms=... ttft_speedup=... claimed_tokens=...
 stored_prefix_tokens=... ttft_local_hit_ms=... local_hit_tokens=... remote_hit_vs_local_hit=...
-pi_claimed_tokens=... pi_top1=... pi_kl=...``.
+ttft_cached_sync_ms=... ttft_cached_layerwise_ms=... layerwise_vs_sync=...
+layerwise_cold_vs_sync=... pi_claimed_tokens=... pi_top1=... pi_kl=...``.
 """
 
 from __future__ import annotations
@@ -72,6 +84,10 @@ RESULT_KEYS = (
     "ttft_local_hit_ms",
     "local_hit_tokens",
     "remote_hit_vs_local_hit",
+    "ttft_cached_sync_ms",
+    "ttft_cached_layerwise_ms",
+    "layerwise_vs_sync",
+    "layerwise_cold_vs_sync",
     "pi_claimed_tokens",
     "pi_top1",
     "pi_kl",
@@ -224,6 +240,48 @@ def exact_prefix(
     return summary, baseline
 
 
+QUESTIONS = (
+    "Which rule mentions the night train first?",
+    "Which rule mentions the quiet coach first?",
+)
+
+
+def layerwise(
+    store: EngineProc, measured: dict[str, EngineProc], address: str, size: Size
+) -> dict[str, float]:
+    """Scenario 2: ``measured`` ("sync", "layered") on the same claims, cold and cached."""
+    got: dict[str, dict[str, list[float]]] = {
+        name: {"cold": [], "cached": [], "claimed": []} for name in measured
+    }
+    for r in range(size.rounds):
+        doc = _document(500 + r, size.sentences)
+        store.generate(_chat(store, doc, [], "Summarise the rules about bikes."), max_tokens=1)
+        wait_stored(address)
+        names = list(measured) if r % 2 == 0 else list(reversed(measured))
+        for i, name in enumerate(names):
+            engine, runs = measured[name], got[name]
+            cold = _chat(engine, _document(600 + 2 * r + i, size.sentences), [], QUESTIONS[i])
+            out = engine.generate(cold, max_tokens=1)
+            assert out["cached"] == 0, f"{name}'s cold run found something"
+            runs["cold"].append(out["seconds"])
+            out = engine.generate(_chat(engine, doc, [], QUESTIONS[i]), max_tokens=1)
+            runs["cached"].append(out["seconds"])
+            runs["claimed"].append(out["cached"])
+            print(
+                f"round {r} {name}: cold {runs['cold'][-1] * 1e3:.0f} ms, cached "
+                f"{runs['cached'][-1] * 1e3:.0f} ms ({out['cached']} tokens claimed)",
+                flush=True,
+            )
+    med = {name: {k: statistics.median(v) for k, v in runs.items()} for name, runs in got.items()}
+    sync, layered = med["sync"], med["layered"]
+    return {
+        "ttft_cached_sync_ms": sync["cached"] * 1e3,
+        "ttft_cached_layerwise_ms": layered["cached"] * 1e3,
+        "layerwise_vs_sync": layered["cached"] / sync["cached"],
+        "layerwise_cold_vs_sync": layered["cold"] / sync["cold"],
+    }
+
+
 def truncated_history(
     store: EngineProc, load: EngineProc, ref: EngineProc, size: Size
 ) -> dict[str, float]:
@@ -324,7 +382,7 @@ def main() -> None:
     # nopecache's and LMCache's measured engines have the same share of the machine; the
     # measured engines run one at a time, never beside each other.
     storing, measured = core_for(0), core_for(1)
-    with bench_processes(engines=6 if args.peer else 4) as started:
+    with bench_processes(engines=8 if args.peer else 6) as started:
         server = started.server(
             CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=1GiB&pinned=no",))
         )
@@ -337,6 +395,17 @@ def main() -> None:
                 cpu=measured,
             ),
             "local": EngineConfig(model=model, prefix_caching=True, cpu=measured),
+            **{
+                name: EngineConfig(
+                    model=model,
+                    connector={"url": url, "pi_reuse": "contiguous", **seg, **loads},
+                    cpu=measured,
+                )
+                for name, loads in (
+                    ("sync", {"load_async": False}),
+                    ("layered", {"load_async": False, "layerwise": True}),
+                )
+            },
             "ref": EngineConfig(model=model, cpu=storing),
         }
         procs = {
@@ -364,6 +433,8 @@ def main() -> None:
         result.update(local)
         # Target <= 1.25: a remote hit over a local one, same prompt, same core, same rounds.
         result["remote_hit_vs_local_hit"] = result["ttft_cached_ms"] / local["ttft_local_hit_ms"]
+        measured_pair = {name: procs[name] for name in ("sync", "layered")}
+        result.update(layerwise(procs["store"], measured_pair, server.address, size))
         result.update(truncated_history(procs["store"], procs["load"], procs["ref"], size))
         if "lmcache" in summary:
             peer = summary["lmcache"]

@@ -84,7 +84,7 @@ class StepPlan:
     scheduled_tokens: int = 0  # tokens the step's forward computes (for the prefill rate)
 
 
-_OVERLAPPING = ("forward_seconds", "fetch_seconds")
+_OVERLAPPING = ("forward_seconds", "fetch_seconds", "layer_wait_seconds")
 """StepReport times that run side by side on the workers of one step."""
 
 
@@ -112,6 +112,9 @@ class StepReport:
     blend_seconds: float = 0.0  # time in the layer loop (fetches excluded)
     blend_token_layers: int = 0  # token-layers the loop computed (misses included)
     rope_check_failed: int = 0  # workers whose start-up RoPE check refused PI reuse
+    layer_loaded_tokens: int = 0  # of the loaded tokens, written layer by layer (layerwise)
+    layer_saved_tokens: int = 0  # of saved_tokens, copied layer by layer in the forward
+    layer_wait_seconds: float = 0.0  # the forward's waits for layer-wise loads
     failed_requests: list[str] = field(default_factory=list)
 
     def add(self, other: StepReport, *, same_step: bool = False) -> StepReport:

@@ -129,6 +129,9 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "pd_deadline_misses": "Hand-offs whose blocks had not all landed by the deadline",
         "pd_missing_tokens": "Prompt tokens a hand-off named that were recomputed instead",
         "pd_bad_handoffs": "Hand-offs malformed or not matching the request's own keys",
+        "layer_loaded_tokens": "Of the loaded tokens, those written layer by layer beside the forward",
+        "layer_saved_tokens": "Of the saved tokens, those copied layer by layer during the forward",
+        "layer_wait_seconds": "Seconds the forward waited for layer-wise loads (layerwise=true)",
         "rope_check_failed": (
             "Workers whose start-up RoPE check turned position-independent reuse off"
         ),

@@ -91,6 +91,8 @@ PER_REQUEST_COUNTS = (
     "loaded_exact_tokens",
     "loaded_pi_tokens",
     "saved_tokens",
+    "layer_saved_tokens",
+    "layer_loaded_tokens",
     "computed_tokens",
     "blend_miss_tokens",
     "pi_token_layers",
@@ -379,6 +381,7 @@ class WorkerSide:
         self._load_seconds += loads.waited
         with self._lock:
             self._report.load_seconds += seconds
+            self._report.layer_wait_seconds += loads.waited
 
     def _stage_all(self, specs: Sequence[LoadSpec]) -> list[_Staged]:
         """Fetch every load of the step into its staging (on the layer thread)."""
@@ -428,6 +431,8 @@ class WorkerSide:
     def _count_staged(self, item: _Staged) -> None:
         if not item.staging.failed:
             self._count_loaded(item.spec, item.result, item.spec.start + item.staging.rows)
+            with self._lock:
+                self._report.layer_loaded_tokens += item.staging.rows
 
     def _timed_load(self, spec: LoadSpec) -> float:
         start = time.perf_counter()
@@ -665,6 +670,7 @@ class WorkerSide:
         k, v = copied if copied is not None else self.layout.blocks_to_host(self.caches, block_ids)
         k, v = k[:, :n], v[:, :n]
         stored = True
+        layered = copied is not None
         for group, client in self.groups:
             if group.num_heads == self.model.rank_kv_heads:
                 gk, gv = k, v
@@ -706,6 +712,7 @@ class WorkerSide:
         with self._lock:
             if stored:
                 self._report.saved_tokens += n
+                self._report.layer_saved_tokens += n if layered else 0
             else:
                 self._report.save_dropped += 1
 

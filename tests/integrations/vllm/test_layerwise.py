@@ -80,6 +80,9 @@ def test_each_layer_is_written_before_its_wait_returns(engines: Any) -> None:
     assert report is not None
     assert (report.loaded_exact_tokens, report.load_failures) == (12, 0)
     assert report.fetched_bytes > 0 and report.load_seconds > 0
+    assert report.layer_wait_seconds > 0  # the first layer waited for the fetch
+    assert report.layer_loaded_tokens == 12
+    assert report.layer_saved_tokens == report.saved_tokens == 15  # every layer copied
 
     sync.step(_request("r", request), [5, 6, 7, 8], 0)
     for layer in range(LAYERS):  # every slot, claimed or not, as the synchronous path left it
@@ -179,6 +182,8 @@ def test_a_save_some_layer_never_copied_is_gathered_at_the_end(engines: Any) -> 
     _, layered, sync = engines
     out = layered.plan_step(_request("w", PROMPT), [3, 0, 2, 1], 0)
     _forward(layered, out.plan, saved_layers=range(LAYERS - 1))
+    report = layered.worker.take_report()
+    assert report is not None and (report.saved_tokens, report.layer_saved_tokens) == (14, 0)
     assert sync.step(_request("r", [*PROMPT, 9]), [8, 9, 10, 11], 0).claimed == 12
     for layer in range(LAYERS):
         assert torch.equal(sync.cache(layer)[:, [8, 9, 10]], layered.cache(layer)[:, [3, 0, 2]])

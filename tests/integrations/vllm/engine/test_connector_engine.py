@@ -18,6 +18,8 @@ bf16:
      claims nothing from them (fp32 and bf16 never share blocks).
   6. engine A16 stores the bf16 blocks; B16 claims the system prompt; its output equals
      vLLM's own prefix cache serving the same split (engine APC16, warmed the same way).
+     Both run ``layerwise``: A16 copies its saves out layer by layer in the forward, B16
+     writes its loads in layer by layer as its forward reaches each layer.
   7. A16 runs with ``pi_reuse="contiguous"``: a truncated chat history (old turns
      dropped) claims the moved history past the exact prefix.
 compact forms (``kv_codec=fp8``):
@@ -208,9 +210,13 @@ def test_bf16_never_reads_fp32_blocks(
     a32.generate(prompts[0], max_tokens=4)
     _wait_stored(redis, len(prompts[0]) // BLOCK)
     # B16 only reads (save off), so what it claims later can only come from A16; it
-    # loads before the step's forward (load_async off), where every other engine here
-    # loads in the background (the default), the request waiting for it.
-    b16 = engines(dtype="bfloat16", connector=_connector(server, save=False, load_async=False))
+    # loads in the step's forward (load_async off), layer by layer (layerwise), where
+    # every other engine here loads in the background (the default), the request
+    # waiting for it.
+    b16 = engines(
+        dtype="bfloat16",
+        connector=_connector(server, save=False, load_async=False, layerwise=True),
+    )
     out = b16.generate(prompts[1], max_tokens=12)
     assert out["cached"] == 0
     assert _metric(b16, "loaded_exact_tokens") == 0
@@ -222,15 +228,22 @@ def test_bf16_matches_vllm_prefix_cache_split(
     engines: EngineFactory, server: CacheServerProc, redis: RedisProc, state: dict[str, Any]
 ) -> None:
     prompts, b16 = state["prompts"], state["b16"]
+    # A16 copies what it saves out of vLLM's pages layer by layer, as the forward
+    # computes each layer (layerwise); B16 writes its loads in layer by layer.
     a16 = engines(
         dtype="bfloat16",
-        connector=_connector(server, pi_reuse="contiguous", segment_token_ids=[IM_START]),
+        connector=_connector(
+            server, pi_reuse="contiguous", segment_token_ids=[IM_START], layerwise=True
+        ),
     )
     before = int(redis.client().dbsize())
     a16.generate(prompts[0], max_tokens=12)
     _wait_stored(redis, before + 1)
+    saved = _metric(a16, "saved_tokens")
+    assert saved == len(prompts[0]) and _metric(a16, "layer_saved_tokens") == saved
     out = b16.generate(prompts[1], max_tokens=12)
     assert out["cached"] == state["claim"]
+    assert _metric(b16, "layer_loaded_tokens") == out["cached"]  # every one layer by layer
 
     apc = engines(dtype="bfloat16", prefix_caching=True)
     apc.generate(prompts[0], max_tokens=12)  # warms vLLM's own cache with the same prefix
