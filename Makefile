@@ -163,7 +163,8 @@ bench-sglang: sglang
 # Every bench in its --quick mode (tiny sizes, one pass, the same RESULT keys), in the
 # order of `make bench`: a smoke run of seconds each (the vLLM ones start their engines).
 # `make test` runs the same through tests/bench/test_quick.py and, in the vLLM suite,
-# tests/integrations/vllm/engine/test_bench_quick.py.
+# tests/integrations/vllm/engine/test_bench_quick.py (vllm_parity's quick traffic on
+# test_parity.py's engines instead, which are the same three).
 bench-quick: venv redis-server haproxy vllm sglang
 	@set -e; for b in bench/[!_]*.py; do \
 	  case $$b in bench/vllm_*|bench/sglang_*) continue;; esac; echo "== $$b --quick"; $(BIN)/python $$b --quick; done

@@ -52,8 +52,10 @@ from tests.support.parity_traffic import (  # noqa: E402
 from tests.support.server_procs import wait_stored  # noqa: E402
 from tests.support.tiny_vlm import IMAGE_SIZE, write_tiny_vlm  # noqa: E402
 
-# The RESULT line's keys, in order: tests/integrations/vllm/engine/test_bench_quick.py checks
-# a --quick run prints exactly these.
+# The RESULT line's keys, in order (:func:`result_line` prints them). The quick run's traffic
+# and RESULT line are checked on test_parity.py's engines
+# (tests/integrations/vllm/engine/test_parity.py::test_the_bench_quick_run_matches_the_reference),
+# which start the same three configurations: test_bench_quick.py skips this bench for that.
 RESULT_KEYS = ("parity_requests", "mismatches", "faults_injected", "skipped_requests")
 
 FAULTS = "seed=7,rate=0.3,kinds=flip,truncate,drop,delay"
@@ -124,6 +126,20 @@ def text_traffic(
     return requests, bad
 
 
+def skipped_requests(engines: list[EngineProc]) -> float:
+    """``vllm:nopecache_requests_skipped`` summed over ``engines`` (0 for one without the
+    connector): requests the connector could not key and left alone."""
+    return sum(e.metrics().get("vllm:nopecache_requests_skipped", 0.0) for e in engines)
+
+
+def result_line(requests: int, mismatches: int, faults: int, skipped: float) -> str:
+    """The bench's last line, keys in the order of ``RESULT_KEYS``."""
+    return (
+        f"RESULT parity_requests={requests} mismatches={mismatches} "
+        f"faults_injected={faults} skipped_requests={int(skipped)}"
+    )
+
+
 def image_traffic(procs: dict[str, EngineProc], address: str, size: Size) -> tuple[int, int]:
     """Same-size images stored, then served beside unseen ones; (requests, mismatches)."""
     ref, vlm = procs["vlm-ref"], procs["vlm"]
@@ -189,8 +205,9 @@ def main() -> None:
         procs = {n: started.engine(n, EngineProc(c, work / f"{n}.log")) for n, c in configs.items()}
         # Two phases of at most three engines (the text ones, then the image ones): five
         # engines at once need ~16 GiB, more than a shared machine has free. The quick run
-        # (every `make test`) keeps the text phase only: test_parity.py covers images, and
-        # two more engine starts would add minutes to CI for no new check.
+        # keeps the text phase only (`make test` runs it on test_parity.py's engines):
+        # test_parity.py covers images, and two more engine starts would add minutes to CI
+        # for no new check.
         skipped = 0.0
         results = [(0, 0), (0, 0)]
         phases = [
@@ -204,16 +221,13 @@ def main() -> None:
             for name in names:
                 procs[name].wait_ready()
             results[index] = traffic()
+            skipped += skipped_requests([procs[name] for name in names])
             for name in names:
-                skipped += procs[name].metrics().get("vllm:nopecache_requests_skipped", 0.0)
                 procs[name].stop()
         (text_requests, text_bad), (image_requests, image_bad) = results
         faults = server.faults_injected()
     mismatches = text_bad + image_bad
-    print(
-        f"RESULT parity_requests={text_requests + image_requests} mismatches={mismatches} "
-        f"faults_injected={faults} skipped_requests={int(skipped)}"
-    )
+    print(result_line(text_requests + image_requests, mismatches, faults, skipped))
     if mismatches:
         sys.exit(1)
 

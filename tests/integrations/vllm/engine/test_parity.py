@@ -19,20 +19,33 @@ Tests, in order:
      (salt s2, never stored, claims nothing).
   2. the same traffic with the server injecting faults into the blocks it sends: outputs
      still equal the reference, the server counted faults and e2 recomputed them.
-  3. a multi-turn chat in contiguous mode (turn 2 extends turn 1, whose moved history was
+  3. bench/vllm_parity.py's quick run on these engines (the same three configurations the
+     bench starts, so test_bench_quick.py does not start them again): its text traffic
+     under the bench's faults has no mismatch, and the RESULT line its code prints has
+     exactly its RESULT_KEYS.
+  4. a multi-turn chat in contiguous mode (turn 2 extends turn 1, whose moved history was
      claimed position-independently), then an "off" engine asks turn 2: its exact loads stop
      where turn 1's exact prefix ended, its output equals the reference.
-  4. two different images of the same size (identical prompt token ids): image 2 never
+  5. two different images of the same size (identical prompt token ids): image 2 never
      gets image 1's KV; image 1 asked again still claims its own blocks.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.bench_runs import BENCH, declared_keys, parse_result
+
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import vllm_parity as bench
 
 from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
 from tests.support.engine_proc import EngineFactory, EngineProc, Identity
@@ -88,6 +101,31 @@ def _mismatches(
         for r, o, ref in zip(requests, outs, refs, strict=True)
         if o["ids"] != ref["ids"]
     ]
+
+
+@contextmanager
+def _faults_on(server: CacheServerProc, spec: str) -> Iterator[FaultServer]:
+    """The module's server restarted on its port (so the engines reconnect; it comes back
+    empty) injecting the faults of ``spec``; restarted without faults after, whatever
+    happened, since the next tests need it."""
+    metrics_port = free_ports(1)[0]
+    server.kill()
+    server.extra_args = (
+        "--fault-injection",
+        spec,
+        "--metrics",
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        str(metrics_port),
+    )
+    try:
+        server.start()
+        yield FaultServer(server, metrics_port)
+    finally:
+        server.kill()
+        server.extra_args = ()
+        server.start()
 
 
 @pytest.fixture(scope="module")
@@ -153,20 +191,7 @@ def test_faults_on_the_load_path_are_recomputed(
 ) -> None:
 
     e1, e2, stored, served = state["e1"], state["e2"], state["stored"], state["served"]
-    metrics_port = free_ports(1)[0]
-    server.kill()  # same port, so the engines reconnect; it comes back empty
-    server.extra_args = (
-        "--fault-injection",
-        FAULTS,
-        "--metrics",
-        "--metrics-host",
-        "127.0.0.1",
-        "--metrics-port",
-        str(metrics_port),
-    )
-    try:
-        server.start()
-        faulty = FaultServer(server, metrics_port)
+    with _faults_on(server, FAULTS) as faulty:
         _run(e1, stored)
         wait_stored(server.address, at_least=1)
         errors_before = _metric(e2, "load_errors")
@@ -174,11 +199,28 @@ def test_faults_on_the_load_path_are_recomputed(
         assert _mismatches(served, outs, state["refs"]) == []
         assert faulty.faults_injected() > 0
         assert _metric(e2, "load_errors") > errors_before
-    finally:  # the next tests need the server back, without faults, whatever happened
-        server.kill()
-        server.extra_args = ()
-        server.start()
-    e1.stop()  # each engine holds ~2 GiB: keep at most three alive
+
+
+def test_the_bench_quick_run_matches_the_reference(
+    server: CacheServerProc, adapters: tuple[str, str], state: dict[str, Any]
+) -> None:
+    # bench/vllm_parity.py --quick starts ref, e1 and e2 as configured here (fp32, LoRA, the
+    # same connector URL) and a server injecting its faults, then runs text_traffic: run
+    # that on this module's engines instead of three more engine starts.
+    procs = {name: state[name] for name in ("ref", "e1", "e2")}
+    skipped_before = bench.skipped_requests(list(procs.values()))  # the earlier tests' skips
+    with _faults_on(server, bench.FAULTS) as faulty:
+        requests, mismatches = bench.text_traffic(procs, server.address, adapters, bench.QUICK)
+        faults = faulty.faults_injected()
+    skipped = bench.skipped_requests(list(procs.values())) - skipped_before
+    line = bench.result_line(requests, mismatches, faults, skipped)
+    print(line)
+    fields = parse_result(line)
+    assert list(fields) == list(declared_keys(BENCH / "vllm_parity.py")), line
+    assert int(fields["parity_requests"]) > 0, line
+    assert int(fields["mismatches"]) == 0, line
+    assert int(fields["faults_injected"]) > 0, line
+    state["e1"].stop()  # each engine holds ~2 GiB: keep at most three alive
 
 
 def _chat_turns() -> list[tuple[str, str]]:
