@@ -9,19 +9,22 @@ Loads (the step's synchronous, non-blend loads; a background load, ``load_async`
 its request out of the forward until it ends, and a blend claim's layer loop needs every
 layer before it runs)::
 
-    start_load_kv        submit the step's loads to the layer thread, return at once
-    layer thread         fetch every load's blocks (verified, rotated) into a host
-                         staging page set (LoadStaging), then write them into vLLM's
-                         pages layer 0, 1, ...; after each layer, wake the forward
-    wait_for_layer_load  block until that layer is written for every load of the step
+    start_load_kv        submit the step's fetches to the loads' thread, return at once
+    loads' thread        fetch every load's blocks (verified, rotated) into a host
+                         staging page set (LoadStaging)
+    wait_for_layer_load  (layer 0: wait for the fetches) write that layer of every load
+                         into vLLM's pages, on the forward's thread: on CUDA the copy
+                         and scatter are queued on the forward's stream ahead of the
+                         layer's attention, so nothing else orders them
 
-    So the forward's first layers (embedding, projections) run while the fetch is on
-    the wire, and layer n's attention while layer n+1 is written.
+    So the forward's embedding and first projections run while the fetch is on the
+    wire, and each layer's write costs only that layer's bytes, when it is needed.
 
 Saves::
 
     save_kv_layer        copy that layer's blocks of every save of the step to host
-                         memory (LayerSaves), while the next layer computes
+                         memory (LayerSaves), right after the layer's attention wrote
+                         them (on CUDA queued on the forward's stream)
     wait_for_save        store what the layers copied: no gather of the whole prompt
                          at the step's end (a save some layer never reached falls back
                          to that gather)
@@ -30,14 +33,13 @@ Failures: a load that fails to fetch, or whose write of any layer raises, fails 
 request's claimed blocks (vLLM recomputes them; it discards that step's output for the
 request). A layer is never written in part for a request whose fetch failed: what the
 fetch did not place is never staged (``LoadStaging.rows``), and after a failed write
-the request's later layers are skipped. The thread signals every layer in the end
-whatever happens, so the forward never waits on a dead load.
+the request's later layers are skipped. A fetch that raises leaves nothing to write:
+the forward never waits on a dead load.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,31 +113,33 @@ class LoadStaging:
             k.to(device, non_blocking=True),
             v.to(device, non_blocking=True),
         )
-        if device.type == "cuda":
-            # The forward waits on the host for this layer, on a stream of its own.
-            torch.cuda.current_stream(device).synchronize()
 
 
 class LayerLoads(Generic[T]):
-    """One step's layer-wise loads on a thread of their own (see the module docstring).
+    """One step's layer-wise loads (see the module docstring).
 
-    ``start(stage, write, finish)``: ``stage()`` fetches every load and returns what to
-    write; ``write(item, layer)`` writes one layer of one item; ``finish(item)`` runs
-    once all layers are written. ``stage`` and ``write`` handle their own failures (a
-    failed load is the caller's to report); an exception that escapes still releases
-    every layer.
+    ``start(stage, write, finish)``: ``stage()`` runs on the loads' own thread, fetches
+    every load and returns what to write; ``write(item, layer)`` writes one layer of one
+    item, on the thread that waits for that layer (the forward's: on CUDA its writes are
+    queued on the forward's own stream, ahead of the layer's attention); ``finish(item)``
+    runs once every layer is written. ``stage`` and ``write`` handle their own failures
+    (a failed load is the caller's to report); an exception out of ``stage`` is raised
+    by ``finish()``, and no layer waits on it.
     """
 
     def __init__(self, num_layers: int) -> None:
         """Loads for a model of ``num_layers`` layers."""
         self.num_layers = num_layers
-        self._cond = threading.Condition()
-        self._ready = num_layers  # layers written for the step (all: nothing in flight)
         self._thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="nopecache-layers"
         )
-        self._job: concurrent.futures.Future[float] | None = None
-        self.waited = 0.0  # seconds the forward spent in wait() this step
+        self._job: concurrent.futures.Future[Sequence[T]] | None = None
+        self._items: Sequence[T] = ()
+        self._write: Callable[[T, int], None] | None = None
+        self._finish: Callable[[T], None] | None = None
+        self._next = num_layers  # the first layer not written yet (all: nothing in flight)
+        self.waited = 0.0  # seconds the forward was held this step: the fetch, the writes
+        self.seconds = 0.0  # seconds the step's loads took: the fetch and every write
 
     @property
     def active(self) -> bool:
@@ -148,53 +152,54 @@ class LayerLoads(Generic[T]):
         write: Callable[[T, int], None],
         finish: Callable[[T], None],
     ) -> None:
-        """Start the step's loads (the previous step's must be finished)."""
+        """Start the step's fetches (the previous step's loads must be finished)."""
         assert self._job is None, "the previous step's layer loads were not finished"
-        with self._cond:
-            self._ready = 0
-        self.waited = 0.0
-        self._job = self._thread.submit(self._run, stage, write, finish)
+        self._items, self._write, self._finish = (), write, finish
+        self._next = 0
+        self.waited = self.seconds = 0.0
+        self._job = self._thread.submit(self._timed, stage)
 
-    def _run(
-        self,
-        stage: Callable[[], Sequence[T]],
-        write: Callable[[T, int], None],
-        finish: Callable[[T], None],
-    ) -> float:
+    def _timed(self, stage: Callable[[], Sequence[T]]) -> Sequence[T]:
         started = time.perf_counter()
-        try:
-            items = stage()
-            for layer in range(self.num_layers):
-                for item in items:
-                    write(item, layer)
-                with self._cond:
-                    self._ready = layer + 1
-                    self._cond.notify_all()
-            for item in items:
-                finish(item)
-        finally:
-            with self._cond:
-                self._ready = self.num_layers
-                self._cond.notify_all()
-        return time.perf_counter() - started
+        items = stage()
+        self.seconds += time.perf_counter() - started
+        return items
 
     def wait(self, layer: int) -> None:
-        """Return once ``layer`` is written for every load of the step (at once when
-        none is in flight)."""
-        if self._job is None:
+        """Write ``layer`` (and any layer before it not written yet) for every load of
+        the step, once their fetches are done; at once when none is in flight."""
+        job = self._job
+        if job is None or layer < self._next:
             return
-        started = time.perf_counter()
-        with self._cond:
-            self._cond.wait_for(lambda: self._ready > layer)
-        self.waited += time.perf_counter() - started
+        held = time.perf_counter()
+        if self._next == 0:
+            concurrent.futures.wait([job])
+            self._items = () if job.exception() is not None else job.result()
+        writing = time.perf_counter()
+        assert self._write is not None
+        for each in range(self._next, min(layer + 1, self.num_layers)):
+            for item in self._items:
+                self._write(item, each)
+        self._next = max(self._next, layer + 1)
+        done = time.perf_counter()
+        self.seconds += done - writing
+        self.waited += done - held
 
     def finish(self) -> float:
-        """Wait for the step's loads to end; their thread's seconds (0.0: none ran).
-        Re-raises what escaped the thread."""
-        job, self._job = self._job, None
+        """Write the layers no wait asked for, end the step's loads; their seconds
+        (0.0: none ran). Re-raises what escaped ``stage``."""
+        job = self._job
         if job is None:
             return 0.0
-        return job.result()
+        try:
+            self.wait(self.num_layers - 1)
+            items = job.result()  # raises what escaped stage
+            assert self._finish is not None
+            for item in items:
+                self._finish(item)
+        finally:
+            self._job, self._items, self._next = None, (), self.num_layers
+        return self.seconds
 
     def close(self) -> None:
         """Finish any loads in flight and stop the thread."""

@@ -377,7 +377,7 @@ class WorkerSide:
             seconds = loads.finish()
         except Exception:  # _stage_all and _write_layer catch their own: a bug
             log.exception("nopecache: layer-wise loads failed")
-            seconds = 0.0
+            seconds = loads.seconds
         self._load_seconds += loads.waited
         with self._lock:
             self._report.load_seconds += seconds

@@ -189,10 +189,10 @@ def test_a_save_some_layer_never_copied_is_gathered_at_the_end(engines: Any) -> 
         assert torch.equal(sync.cache(layer)[:, [8, 9, 10]], layered.cache(layer)[:, [3, 0, 2]])
 
 
-def test_a_layer_waits_for_the_fetch_and_for_its_own_write() -> None:
+def test_a_layer_waits_for_the_fetch_and_is_written_by_the_waiting_thread() -> None:
     loads: LayerLoads[str] = LayerLoads(3)
     fetched, release = threading.Event(), threading.Event()
-    written: list[tuple[str, int]] = []
+    written: list[tuple[str, int, str]] = []
     finished: list[str] = []
 
     def stage() -> list[str]:
@@ -200,37 +200,54 @@ def test_a_layer_waits_for_the_fetch_and_for_its_own_write() -> None:
         release.wait()
         return ["a", "b"]
 
+    def write(item: str, layer: int) -> None:
+        written.append((item, layer, threading.current_thread().name))
+
     returned = threading.Event()
 
     def forward() -> None:
         loads.wait(0)
         returned.set()
 
-    loads.start(stage, lambda item, layer: written.append((item, layer)), finished.append)
-    thread = threading.Thread(target=forward)
+    loads.start(stage, write, finished.append)
+    thread = threading.Thread(target=forward, name="forward")
     thread.start()
     fetched.wait()
     assert not returned.is_set() and written == []  # the fetch has not returned yet
     release.set()
     thread.join()
-    assert ("a", 0) in written and ("b", 0) in written  # both loads' layer 0, before it
-    loads.wait(2)
-    assert loads.finish() > 0
-    assert written == [(item, layer) for layer in range(3) for item in ("a", "b")]
+    assert written == [("a", 0, "forward"), ("b", 0, "forward")]  # layer 0 only
+    loads.wait(2)  # layer 1 was never asked for: written first, in order
+    assert [(i, layer) for i, layer, _ in written] == [
+        (i, layer) for layer in range(3) for i in ("a", "b")
+    ]
+    assert loads.waited > 0 and loads.finish() > 0
     assert finished == ["a", "b"]
     loads.close()
 
 
-def test_an_error_out_of_the_load_thread_still_releases_every_layer() -> None:
+def test_layers_no_wait_asked_for_are_written_when_the_step_ends() -> None:
+    loads: LayerLoads[str] = LayerLoads(2)
+    written: list[tuple[str, int]] = []
+    loads.start(lambda: ["a"], lambda item, layer: written.append((item, layer)), lambda item: None)
+    loads.wait(0)
+    loads.finish()
+    assert written == [("a", 0), ("a", 1)]
+    loads.close()
+
+
+def test_an_error_out_of_the_fetch_writes_nothing_and_holds_no_layer() -> None:
     loads: LayerLoads[str] = LayerLoads(4)
+    written: list[int] = []
 
     def stage() -> list[str]:
         raise RuntimeError("a bug")
 
-    loads.start(stage, lambda item, layer: None, lambda item: None)
-    loads.wait(3)  # released, not hung
+    loads.start(stage, lambda item, layer: written.append(layer), lambda item: None)
+    loads.wait(3)  # returns, nothing to write
     with pytest.raises(RuntimeError, match="a bug"):
         loads.finish()
+    assert written == []
     loads.wait(3)  # nothing in flight: returns at once
     loads.close()
 
