@@ -27,7 +27,7 @@ from tests.support.ready import ProcessExited
 from tests.support.redis_procs import free_ports
 from tests.support.server_procs import DEFAULT_TIER, CacheServerProc
 
-__all__ = ["FaultServer", "start_fault_server"]
+__all__ = ["FaultServer", "fault_args", "start_fault_server"]
 
 _FAMILY = "nopecache_faults_injected"
 
@@ -76,6 +76,20 @@ class FaultServer:
         self.proc.kill()
 
 
+def fault_args(spec: str, metrics_port: int) -> tuple[str, ...]:
+    """The server's options to inject the faults of ``spec`` and count them on its
+    metrics endpoint at ``metrics_port`` (where :class:`FaultServer` reads them)."""
+    return (
+        "--fault-injection",
+        spec,
+        "--metrics",
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        str(metrics_port),
+    )
+
+
 def start_fault_server(
     spec: str,
     workdir: Path | None = None,
@@ -93,16 +107,7 @@ def start_fault_server(
             root / f"server-{attempt}",
             port,
             tiers=tiers,
-            extra_args=(
-                "--fault-injection",
-                spec,
-                "--metrics",
-                "--metrics-host",
-                "127.0.0.1",
-                "--metrics-port",
-                str(metrics_port),
-                *extra_args,
-            ),
+            extra_args=(*fault_args(spec, metrics_port), *extra_args),
         )
         try:
             proc.start()

@@ -32,7 +32,8 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      the forward reaches it (vLLM's wait_for_layer_load),
                                      saves copied out as each layer is computed
                                      (save_kv_layer); false: loads placed before the
-                                     forward, saves gathered after it (layerwise.py)
+                                     forward, saves gathered after it (layerwise.py).
+                                     Off: slower on a CPU engine (bench/vllm_e2e.py)
     lookup_wait_ms
                  float  2.0          how long vLLM's scheduler waits for a lookup before
                                      answering "not yet" (the request is asked again on

@@ -49,7 +49,7 @@ import vllm_parity as bench
 
 from tests.support.connector_prompts import BLOCK, IM_START, PIP_FACTS
 from tests.support.engine_proc import EngineFactory, EngineProc, Identity
-from tests.support.fault_servers import FaultServer
+from tests.support.fault_servers import FaultServer, fault_args
 from tests.support.lora import write_adapter
 from tests.support.parity_traffic import (
     Request,
@@ -110,15 +110,7 @@ def _faults_on(server: CacheServerProc, spec: str) -> Iterator[FaultServer]:
     happened, since the next tests need it."""
     metrics_port = free_ports(1)[0]
     server.kill()
-    server.extra_args = (
-        "--fault-injection",
-        spec,
-        "--metrics",
-        "--metrics-host",
-        "127.0.0.1",
-        "--metrics-port",
-        str(metrics_port),
-    )
+    server.extra_args = fault_args(spec, metrics_port)
     try:
         server.start()
         yield FaultServer(server, metrics_port)
