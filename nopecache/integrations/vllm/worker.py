@@ -5,7 +5,9 @@ Runs in each vLLM worker process, on the model runner's thread, around every for
     bind metadata (StepPlan)   t0
     start_load_kv              fetch every LoadSpec's blocks (verified), write K/V into
                                the claimed slots through the layer's KVLayout
-    forward                    vLLM computes the unclaimed tokens
+    forward                    vLLM computes the unclaimed tokens (``layerwise``:
+                               each layer's loads written before its attention,
+                               its saves copied out after it; layerwise.py)
     wait_for_save              copy each SaveSpec's blocks out of the cache (one gather
                                per layer), hand them to the client's store queue
                                (``wait=False``: the network runs in the background)
@@ -340,9 +342,9 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         """Fetch and place every load of the step; failures become load errors.
 
-        With ``layerwise``, the synchronous non-blend loads start on the layer thread
-        and this returns at once: ``wait_for_layer`` holds each layer of the forward
-        until it is written (layerwise.py)."""
+        With ``layerwise``, the synchronous non-blend loads' fetches start on their own
+        thread and this returns at once: ``wait_for_layer`` writes each layer as the
+        forward reaches it (layerwise.py)."""
         layered: list[LoadSpec] = []
         for spec in plan.loads:
             if spec.asynchronous:
@@ -358,7 +360,7 @@ class WorkerSide:
             )
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """Return once the step's layer-wise loads wrote ``layer_name``'s K/V."""
+        """Write ``layer_name``'s K/V of the step's layer-wise loads (once fetched)."""
         if self._layer_loads is not None and self._layer_loads.active:
             self._layer_loads.wait(self._layer_index[layer_name])
 
@@ -368,8 +370,8 @@ class WorkerSide:
             self._layer_saves.copy_layer(self._layer_index[layer_name])
 
     def _finish_layer_loads(self) -> None:
-        """Wait for the step's layer-wise loads (every layer of them was waited for in a
-        normal forward) and account for their time."""
+        """End the step's layer-wise loads (a layer no wait asked for is written now)
+        and account for their time."""
         loads = self._layer_loads
         if loads is None or not loads.active:
             return
@@ -384,7 +386,7 @@ class WorkerSide:
             self._report.layer_wait_seconds += loads.waited
 
     def _stage_all(self, specs: Sequence[LoadSpec]) -> list[_Staged]:
-        """Fetch every load of the step into its staging (on the layer thread)."""
+        """Fetch every load of the step into its staging (on the loads' thread)."""
         staged = []
         for spec in specs:
             try:
