@@ -68,7 +68,6 @@ class LoadStaging:
     k: torch.Tensor
     v: torch.Tensor
     start: int
-    end: int
     slots: torch.Tensor
     rows: int = 0
     failed: bool = False
@@ -85,7 +84,6 @@ class LoadStaging:
             torch.empty(shape, dtype=dtype),
             torch.empty(shape, dtype=dtype),
             start,
-            start + n,
             slots,
         )
 
@@ -93,7 +91,8 @@ class LoadStaging:
         """The client's paged target over the staging: claimed position ``p`` at slot
         ``p - start``, every other position of the ``num_tokens`` prompt skipped."""
         mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
-        mapping[self.start : self.end] = torch.arange(self.end - self.start, dtype=torch.int64)
+        n = len(self.slots)
+        mapping[self.start : self.start + n] = torch.arange(n, dtype=torch.int64)
         sel = slice(None) if heads is None else heads
         return PagedKV(
             [layer[:, :, sel] for layer in self.k], [layer[:, :, sel] for layer in self.v], mapping
