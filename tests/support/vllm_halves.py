@@ -116,8 +116,13 @@ class _Engine:
         """The scheduler half of :meth:`step`: claim, allocate and plan, nothing run."""
         claimed = self.matched(request, computed)
         self.scheduler.after_alloc(request, block_ids, claimed)
+        plan = self.scheduler.build_step(self.plan_output(request, block_ids, computed, claimed))
+        return SimpleNamespace(claimed=claimed, plan=plan)
+
+    def plan_output(self, request: Any, block_ids: list[int], computed: int, claimed: int) -> Any:
+        """vLLM's scheduler output of a step that runs the rest of ``request``'s prompt."""
         n = len(request.prompt_token_ids)
-        output = SimpleNamespace(
+        return SimpleNamespace(
             scheduled_new_reqs=[
                 SimpleNamespace(
                     req_id=request.request_id,
@@ -131,8 +136,6 @@ class _Engine:
             num_scheduled_tokens={request.request_id: n - computed - claimed},
             total_num_scheduled_tokens=n - computed - claimed,
         )
-        plan = self.scheduler.build_step(output)
-        return SimpleNamespace(claimed=claimed, plan=plan)
 
     def load(self, plan: Any) -> None:
         """Run the step's loads, the background ones to their end (:func:`run_loads`)."""

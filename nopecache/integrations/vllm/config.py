@@ -27,6 +27,12 @@ Users configure the connector with ``kv_connector_extra_config`` (a JSON object 
                                      WAITING_FOR_REMOTE_KVS); false: fetch before the
                                      step's forward. Blend claims always load right
                                      before their forward (their layer loop runs there)
+    sync_when_idle
+                 bool   true         with load_async: a claim made while the engine holds
+                                     no other request loads before the step's forward
+                                     instead (nothing runs beside a background load
+                                     then, and waiting for it costs the request engine
+                                     steps); false: always in the background
     layerwise    bool   false        move KV layer by layer beside the forward: a step's
                                      synchronous loads are written into each layer as
                                      the forward reaches it (vLLM's wait_for_layer_load),
@@ -148,6 +154,7 @@ long prompt over a loaded network takes well under a second; five covers a slow 
 # Keys that only make sense on an engine that loads: refused on a kv_producer.
 _LOADING_KEYS = (
     "load_async",
+    "sync_when_idle",
     "lookup_wait_ms",
     "handoff_deadline_ms",
     "recompute_policy",
@@ -233,6 +240,7 @@ class ConnectorConfig:
     namespace: str = ""
     load: bool = True
     load_async: bool = True
+    sync_when_idle: bool = True
     layerwise: bool = False
     lookup_wait_ms: float = 2.0
     save: bool = True
@@ -252,6 +260,7 @@ class ConnectorConfig:
         "namespace",
         "load",
         "load_async",
+        "sync_when_idle",
         "layerwise",
         "lookup_wait_ms",
         "save",
@@ -376,6 +385,7 @@ class ConnectorConfig:
             namespace=namespace,
             load=_bool("load", extra.get("load", role != "kv_producer")),
             load_async=_bool("load_async", extra.get("load_async", True)),
+            sync_when_idle=_bool("sync_when_idle", extra.get("sync_when_idle", True)),
             layerwise=_bool("layerwise", extra.get("layerwise", False)),
             save=_bool("save", extra.get("save", role != "kv_consumer")),
             segment_token_ids=_token_ids("segment_token_ids", extra.get("segment_token_ids", [])),

@@ -124,6 +124,9 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
         "pi_token_layers": "Reused position-independent tokens x layers of blend claims",
         "recomputed_token_layers": "Of those token-layers, the ones the blend loop recomputed",
         "blend_fallbacks": "Requests whose blend claim was refused or fell back to the prefix",
+        "idle_sync_claims": (
+            "Claims loaded before the step's forward because the engine held no other request"
+        ),
         "blend_checks": "Blended requests re-checked against a full prefill (sampled)",
         "pd_handoffs": "Decode requests that arrived with a prefill engine's hand-off",
         "pd_deadline_misses": "Hand-offs whose blocks had not all landed by the deadline",

@@ -72,7 +72,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from nopecache.client.chunking import ChunkSpan, token_array
@@ -120,6 +120,7 @@ SCHEDULER_COUNTERS = (
     "claimed_pi_tokens",
     "blend_claimed_tokens",
     "blend_fallbacks",
+    "idle_sync_claims",
     "pd_handoffs",
     "pd_deadline_misses",
     "pd_missing_tokens",
@@ -198,6 +199,7 @@ class Claim:
     blend: bool = False  # the worker runs the layer loop over [start, end)
     pi_tokens: int = -1  # blend: position-independent tokens in the range (-1: not blend)
     approximate_from: int | None = None  # blend: first position the layer loop computes
+    asynchronous: bool = False  # loads in the background (the answer given to vLLM)
 
 
 @dataclass(slots=True)
@@ -221,6 +223,7 @@ class ConnectorTotals:
     claimed_pi_tokens: int = 0
     blend_claimed_tokens: int = 0
     blend_fallbacks: int = 0
+    idle_sync_claims: int = 0  # claims loaded before the forward (sync_when_idle)
     pd_handoffs: int = 0  # requests that arrived with a producer's hand-off and waited
     pd_deadline_misses: int = 0  # of those, still short of the named blocks at the deadline
     pd_missing_tokens: int = 0  # the tokens they lacked (recomputed)
@@ -461,8 +464,20 @@ class SchedulerSide:
         elif not self.config.blend and end > max(plan.prefix_end, num_computed_tokens):
             # Position-independent blocks claimed: approximate from the first of them on.
             self._salt_from(request, max(plan.prefix_end, num_computed_tokens) // bs)
+        if self.config.load_async and not claim.blend:
+            inline = self.config.sync_when_idle and self._idle(req_id)
+            claim = replace(claim, asynchronous=not inline)
+            if inline and claim.end > claim.start:
+                self.totals.idle_sync_claims += 1
         self._claims[req_id] = claim
         return claim.end - claim.start
+
+    def _idle(self, req_id: str) -> bool:
+        """Whether the engine holds no request but ``req_id``: nothing would run beside
+        its background load, so the load runs before the step's forward instead (a
+        background load costs its request the engine steps that poll for it). Decided
+        when the claim is made and kept with it, so vLLM and the load agree."""
+        return all(other == req_id for other in self._tracked)
 
     def _blend_claim(self, request: Request, plan: ReusePlan, prefix: Claim, limit: int) -> Claim:
         """The blend claim of ``plan`` when it pays, else the prefix claim ``prefix``."""
@@ -556,9 +571,10 @@ class SchedulerSide:
 
     def claim_is_async(self, req_id: str) -> bool:
         """Whether the pending claim of ``req_id`` loads in the background (blend: never,
-        its layer loop must run right before the step's forward)."""
+        its layer loop must run right before the step's forward; nor, with
+        ``sync_when_idle``, one made while the engine held no other request)."""
         claim = self._claims.get(req_id)
-        return self.config.load_async and claim is not None and not claim.blend
+        return claim is not None and claim.asynchronous
 
     def _note_gone(self, request: Request, found_blocks: int, looked_up_blocks: int) -> None:
         """Announced blocks a lookup no longer finds were evicted: report them removed."""
@@ -581,7 +597,7 @@ class SchedulerSide:
                 claim.start,
                 end,
                 tuple(block_ids),
-                asynchronous=self.config.load_async and not claim.blend,
+                asynchronous=claim.asynchronous,
                 blend=claim.blend,
                 identity=_identity_or_plain(self.identity(request)),
             )

@@ -14,7 +14,8 @@ Runs in each vLLM worker process, on the model runner's thread, around every for
 
 Loads run on a background thread by default (``load_async``) while vLLM keeps stepping
 other requests; the request waits until ``finished_loads`` reports it (vLLM's
-async-receive protocol). Blend loads, and every load with ``load_async=false``, run
+async-receive protocol). Blend loads, every load with ``load_async=false``, and a claim
+the scheduler made while the engine held no other request (``sync_when_idle``) run
 before the step's forward: vLLM schedules the request's forward right after, so the KV
 must be in place before it. A hit that fails verification, a server that dies mid-fetch, or
 any error while placing marks the blocks it covers as failed loads: vLLM recomputes

@@ -166,6 +166,8 @@ def test_fp32_server_down_then_shared(
     assert probe.take() == {"same": claim, "calls": claim // BLOCK}
     assert _metric(b32, "loaded_exact_tokens") == claim
     assert _metric(b32, "claimed_exact_tokens") == claim
+    # B32 held no other request: the claim loaded before the step's forward.
+    assert _metric(b32, "idle_sync_claims") == 1
     assert out["ids"] == baseline[1]
     state.update(a32=a32, b32=b32, prompts=prompts, baseline=baseline, claim=claim)
 
@@ -210,9 +212,9 @@ def test_bf16_never_reads_fp32_blocks(
     a32.generate(prompts[0], max_tokens=4)
     _wait_stored(redis, len(prompts[0]) // BLOCK)
     # B16 only reads (save off), so what it claims later can only come from A16; it
-    # loads in the step's forward (load_async off), layer by layer (layerwise), where
-    # every other engine here loads in the background (the default), the request
-    # waiting for it.
+    # loads in the step's forward (load_async off), layer by layer (layerwise); the
+    # other engines here load before the forward too, each holding one request at a
+    # time (sync_when_idle), but whole.
     b16 = engines(
         dtype="bfloat16",
         connector=_connector(server, save=False, load_async=False, layerwise=True),
