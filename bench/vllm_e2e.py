@@ -1,7 +1,7 @@
 """Two real vLLM engines sharing KV through a nopecache server: time to first token.
 
 Run in the vLLM environment: ``.venv-vllm/bin/python bench/vllm_e2e.py`` (``make bench``
-does). One nopecache server (the embedded default, CPU tier) on loopback and three vLLM
+does). One nopecache server (the embedded default, CPU tier) on loopback and six vLLM
 processes (CPU build, SmolLM2-135M, bf16, one OpenMP thread each, prefix caching off so
 every hit comes through the connector):
 
@@ -14,6 +14,11 @@ every hit comes through the connector):
             gathered after it (``layerwise=false``), on the measured engine's core
     layered the same with ``layerwise=true``: loads written layer by layer as the forward
             reaches each layer, saves copied out layer by layer
+    background  connector on, ``sync_when_idle=false``: every load in the background (the
+            request waits in WAITING_FOR_REMOTE_KVS while vLLM polls for it), where the
+            default loads an idle engine's claim before the forward, as ``sync`` does;
+            started in ``local``'s place once scenario 1 is over (a seventh engine would
+            not fit in 24 GiB)
 
 1. Exact prefix. Each round takes a new ~1.4k-token document as the system message;
    ``load`` answers it plus a question (``max_tokens=1``: TTFT) while nothing is stored
@@ -23,13 +28,15 @@ every hit comes through the connector):
    answer is a local prefix-cache hit of the same blocks (``ttft_local_hit_ms``), and
    ``remote_hit_vs_local_hit`` is nopecache's cached TTFT over it (target <= 1.25).
    Rounds interleave cold, cached and local; medians of 3.
-2. Layer-wise against synchronous, the same claims: each round ``store`` stores a new
-   document with a question; ``sync`` and ``layered`` (in alternating order) each answer
-   a cold prompt (a document of the same size nobody stored: prefill plus the save of the
-   whole prompt) and then the stored document with a question (cached: the claim loaded,
-   the rest computed, the whole prompt saved). The two engines' questions alternate too.
-   ``layerwise_vs_sync`` is the cached TTFT ratio (loads and saves),
-   ``layerwise_cold_vs_sync`` the cold one (saves only); medians of the rounds.
+2. Layer-wise and background loads against synchronous, the same claims: each round
+   ``store`` stores a new document with a question; ``sync``, ``layered`` and
+   ``background`` (in an order rotated each round) each answer a cold prompt (a document
+   of the same size nobody stored: prefill plus the save of the whole prompt) and then
+   the stored document with a question (cached: the claim loaded, the rest computed, the
+   whole prompt saved). The engines' questions rotate too. ``layerwise_vs_sync`` is the
+   cached TTFT ratio (loads and saves), ``layerwise_cold_vs_sync`` the cold one (saves
+   only), ``background_vs_sync`` the cached one of ``background`` (what
+   ``sync_when_idle`` saves an idle engine); medians of the rounds.
 3. Truncated history with ``pi_reuse="contiguous"``: ``store`` answers a long chat; the
    same chat with its oldest turns dropped is teacher-forced over the reference's 64-token
    greedy continuation: top-1 agreement and KL (over the reference's top 20 logprobs) of
@@ -47,7 +54,8 @@ sortedcontainers aiofile caio opentelemetry-exporter-prometheus``).
 Last line: ``RESULT ttft_cold_ms=... ttft_cached_ms=... ttft_speedup=... claimed_tokens=...
 stored_prefix_tokens=... ttft_local_hit_ms=... local_hit_tokens=... remote_hit_vs_local_hit=...
 ttft_cached_sync_ms=... ttft_cached_layerwise_ms=... layerwise_vs_sync=...
-layerwise_cold_vs_sync=... pi_claimed_tokens=... pi_top1=... pi_kl=...``.
+layerwise_cold_vs_sync=... ttft_cached_background_ms=... background_vs_sync=...
+pi_claimed_tokens=... pi_top1=... pi_kl=...``.
 """
 
 from __future__ import annotations
@@ -90,6 +98,8 @@ RESULT_KEYS = (
     "ttft_cached_layerwise_ms",
     "layerwise_vs_sync",
     "layerwise_cold_vs_sync",
+    "ttft_cached_background_ms",
+    "background_vs_sync",
     "pi_claimed_tokens",
     "pi_top1",
     "pi_kl",
@@ -101,6 +111,8 @@ LAYERWISE_KEYS = (
     "ttft_cached_layerwise_ms",
     "layerwise_vs_sync",
     "layerwise_cold_vs_sync",
+    "ttft_cached_background_ms",
+    "background_vs_sync",
 )
 
 IM_START = 1  # SmolLM2's <|im_start|>
@@ -253,13 +265,15 @@ def exact_prefix(
 QUESTIONS = (
     "Which rule mentions the night train first?",
     "Which rule mentions the quiet coach first?",
+    "Which rule mentions the dog fare first?",
 )
 
 
 def layerwise(
     store: EngineProc, measured: dict[str, EngineProc], address: str, size: Size
 ) -> dict[str, float]:
-    """Scenario 2: ``measured`` ("sync", "layered") on the same claims, cold and cached."""
+    """Scenario 2: ``measured`` ("sync", "layered", "background") on the same claims, cold
+    and cached."""
     got: dict[str, dict[str, list[float]]] = {
         name: {"cold": [], "cached": [], "claimed": []} for name in measured
     }
@@ -267,10 +281,11 @@ def layerwise(
         doc = _document(500 + r, size.sentences)
         store.generate(_chat(store, doc, [], "Summarise the rules about bikes."), max_tokens=1)
         wait_stored(address)
-        names = list(measured) if r % 2 == 0 else list(reversed(measured))
+        names = list(measured)
+        names = names[r % len(names) :] + names[: r % len(names)]
         for i, name in enumerate(names):
             engine, runs = measured[name], got[name]
-            cold = _chat(engine, _document(600 + 2 * r + i, size.sentences), [], QUESTIONS[i])
+            cold = _chat(engine, _document(600 + 3 * r + i, size.sentences), [], QUESTIONS[i])
             out = engine.generate(cold, max_tokens=1)
             assert out["cached"] == 0, f"{name}'s cold run found something"
             runs["cold"].append(out["seconds"])
@@ -287,12 +302,14 @@ def layerwise(
                 flush=True,
             )
     med = {name: {k: statistics.median(v) for k, v in runs.items()} for name, runs in got.items()}
-    sync, layered = med["sync"], med["layered"]
+    sync, layered, background = med["sync"], med["layered"], med["background"]
     values = (
         sync["cached"] * 1e3,
         layered["cached"] * 1e3,
         layered["cached"] / sync["cached"],
         layered["cold"] / sync["cold"],
+        background["cached"] * 1e3,
+        background["cached"] / sync["cached"],
     )
     return dict(zip(LAYERWISE_KEYS, values, strict=True))
 
@@ -407,6 +424,12 @@ def main() -> None:
             CacheServerProc(work, free_ports(1)[0], tiers=("cpu://?capacity=1GiB&pinned=no",))
         )
         url = f"nopecache://{server.address}"
+
+        def measured_engine(**loads: object) -> EngineConfig:
+            """An engine of scenario 2: saves on, ``loads`` its load settings."""
+            connector = {"url": url, "pi_reuse": "contiguous", **seg, **loads}
+            return EngineConfig(model=model, connector=connector, cpu=measured)
+
         engines = {
             "store": EngineConfig(model=model, connector={"url": url, **seg}, cpu=storing),
             "load": EngineConfig(
@@ -415,18 +438,14 @@ def main() -> None:
                 cpu=measured,
             ),
             "local": EngineConfig(model=model, prefix_caching=True, cpu=measured),
-            **{
-                name: EngineConfig(
-                    model=model,
-                    connector={"url": url, "pi_reuse": "contiguous", **seg, **loads},
-                    cpu=measured,
-                )
-                for name, loads in (
-                    ("sync", {"load_async": False}),
-                    ("layered", {"load_async": False, "layerwise": True}),
-                )
-                if not args.peer  # eight engines do not fit in a 24 GiB machine
-            },
+            **(
+                {}  # eight engines do not fit in a 24 GiB machine
+                if args.peer
+                else {
+                    "sync": measured_engine(load_async=False),
+                    "layered": measured_engine(load_async=False, layerwise=True),
+                }
+            ),
             "ref": EngineConfig(model=model, cpu=storing),
         }
         procs = {
@@ -457,7 +476,24 @@ def main() -> None:
         if args.peer:
             result.update(dict.fromkeys(LAYERWISE_KEYS, float("nan")))
         else:
-            measured_pair = {name: procs[name] for name in ("sync", "layered")}
+            # Scenario 1 is over: the local engine's memory goes to scenario 2's third
+            # engine (seven at once would not fit in 24 GiB).
+            procs["local"].stop()
+            background = started.engine(
+                "background",
+                EngineProc(measured_engine(sync_when_idle=False), work / "background.log"),
+            )
+            procs["background"] = background.launch()
+            print(
+                f"engine background: core {background.cpu}, process group {background.pid}",
+                flush=True,
+            )
+            background.wait_ready()
+            background.generate(
+                background.chat([{"role": "user", "content": "Hello!"}]), max_tokens=2
+            )
+            print("engine background ready", flush=True)
+            measured_pair = {name: procs[name] for name in ("sync", "layered", "background")}
             result.update(layerwise(procs["store"], measured_pair, server.address, size))
         result.update(truncated_history(procs["store"], procs["load"], procs["ref"], size))
         if "lmcache" in summary:

@@ -136,6 +136,14 @@ class ConfigResult:
         """Prompt tokens of completed requests per second of the replay."""
         return sum(o.prompt_tokens for o in self.done) / self.wall
 
+    def mean_seconds(self) -> tuple[float, float]:
+        """Mean request time over the completed requests and the mean part of it after the
+        first token (the answer's tokens, which no cache of the prompt speeds up), s."""
+        if not self.done:
+            return math.nan, math.nan
+        total = statistics.fmean(o.seconds for o in self.done)
+        return total, statistics.fmean(o.seconds - o.ttft for o in self.done)
+
     def ttft(self, q: float) -> float:
         """TTFT quantile ``q`` (0.5, 0.99) over the completed requests, seconds."""
         values = sorted(o.ttft for o in self.done)
@@ -466,6 +474,12 @@ def main() -> None:
                 f"{name}: {len(r.done)}/{len(r.outcomes)} done in {r.wall:.1f} s, "
                 f"{r.rps:.3f} req/s, TTFT p50 {r.ttft(0.5) * 1e3:.0f} ms p99 "
                 f"{r.ttft(0.99) * 1e3:.0f} ms, from cache {r.cache_share:.1%}",
+                flush=True,
+            )
+            total, after = r.mean_seconds()
+            print(
+                f"{name}: a request took {total * 1e3:.0f} ms on average, {after * 1e3:.0f} ms "
+                "of it after the first token",
                 flush=True,
             )
             connector = {

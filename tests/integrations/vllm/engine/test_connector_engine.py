@@ -311,13 +311,17 @@ def test_compact_forms_run_end_to_end_through_a_real_vllm_engine(
     assert _metric(f1, "saved_tokens") == len(prompt)
     stored = int(redis.client().dbsize())
 
-    f2 = engines(dtype="bfloat16", connector=fp8, prefix_caching=True)
+    # F2 loads in the background even when idle (sync_when_idle off): its requests wait in
+    # WAITING_FOR_REMOTE_KVS until the worker reports the load, vLLM's async-receive
+    # path, which the other engines here, one request at a time, no longer take.
+    f2 = engines(dtype="bfloat16", connector={**fp8, "sync_when_idle": False}, prefix_caching=True)
     out = f2.generate(prompt, max_tokens=12)
     claim = (len(prompt) - 1) // BLOCK * BLOCK
     assert claim >= 3 * BLOCK
     assert out["cached"] == claim
     assert _metric(f2, "loaded_exact_tokens") == claim
     assert _metric(f2, "load_errors") == 0
+    assert _metric(f2, "idle_sync_claims") == 0
     again = f2.generate(prompt, max_tokens=12)
     # Salted: vLLM's prefix cache did not serve the compact blocks to the second request;
     # the connector claimed them from the server again.
