@@ -34,6 +34,14 @@ def _claim(engine: _Engine, req_id: str, block_ids: list[int]) -> tuple[bool, An
     return asynchronous, engine.scheduler.build_step(output)
 
 
+def _placed(reader: _Engine, writer: _Engine) -> bool:
+    """Whether the claim's 3 blocks sit in the reader's pages 5-7 as the writer has them."""
+    return all(
+        torch.equal(reader.cache(layer)[:, [5, 6, 7]], writer.cache(layer)[:, [3, 0, 2]])
+        for layer in range(LAYERS)
+    )
+
+
 @pytest.fixture
 def writer(cache_server: CacheServerProc) -> Any:
     engine = _Engine(cache_server, 1)
@@ -42,43 +50,40 @@ def writer(cache_server: CacheServerProc) -> Any:
     engine.close()
 
 
+@pytest.fixture
+def reader(cache_server: CacheServerProc) -> Any:
+    engine = _Engine(cache_server, 2)
+    yield engine
+    engine.close()
+
+
 def test_a_claim_on_an_idle_engine_loads_before_the_forward(
-    cache_server: CacheServerProc, writer: _Engine
+    writer: _Engine, reader: _Engine
 ) -> None:
-    reader = _Engine(cache_server, 2)
-    try:
-        asynchronous, plan = _claim(reader, "r", [5, 6, 7, 8])
-        assert asynchronous is False
-        assert [spec.asynchronous for spec in plan.loads] == [False]
-        assert reader.scheduler.totals.idle_sync_claims == 1
-        reader.worker.begin_step(plan)
-        reader.worker.load(plan)  # placed when load returns: nothing to wait for
-        assert reader.worker.finished_loads() == set()
-        for layer in range(LAYERS):
-            assert torch.equal(reader.cache(layer)[:, [5, 6, 7]], writer.cache(layer)[:, [3, 0, 2]])
-    finally:
-        reader.close()
+    asynchronous, plan = _claim(reader, "r", [5, 6, 7, 8])
+    assert asynchronous is False
+    assert [spec.asynchronous for spec in plan.loads] == [False]
+    assert reader.scheduler.totals.idle_sync_claims == 1
+    reader.worker.begin_step(plan)
+    reader.worker.load(plan)  # placed when load returns: nothing to wait for
+    assert reader.worker.finished_loads() == set()
+    assert _placed(reader, writer)
 
 
 def test_a_claim_beside_another_request_loads_in_the_background(
-    cache_server: CacheServerProc, writer: _Engine
+    writer: _Engine, reader: _Engine
 ) -> None:
-    reader = _Engine(cache_server, 2)
-    try:
-        reader.scheduler.after_alloc(_request("other", [1, 2, 3]), [9], 0)  # running
-        asynchronous, plan = _claim(reader, "r1", [5, 6, 7, 8])
-        assert asynchronous is True
-        assert [spec.asynchronous for spec in plan.loads] == [True]
-        assert reader.scheduler.totals.idle_sync_claims == 0
-        reader.load(plan)  # waits until finished_loads reports it, as vLLM does
-        for layer in range(LAYERS):
-            assert torch.equal(reader.cache(layer)[:, [5, 6, 7]], writer.cache(layer)[:, [3, 0, 2]])
-        reader.scheduler.finished(["other", "r1"])  # the engine is idle again
-        asynchronous, plan = _claim(reader, "r2", [4, 10, 11, 0])
-        assert asynchronous is False and [s.asynchronous for s in plan.loads] == [False]
-        assert reader.scheduler.totals.idle_sync_claims == 1
-    finally:
-        reader.close()
+    reader.scheduler.after_alloc(_request("other", [1, 2, 3]), [9], 0)  # running
+    asynchronous, plan = _claim(reader, "r1", [5, 6, 7, 8])
+    assert asynchronous is True
+    assert [spec.asynchronous for spec in plan.loads] == [True]
+    assert reader.scheduler.totals.idle_sync_claims == 0
+    reader.load(plan)  # waits until finished_loads reports it, as vLLM does
+    assert _placed(reader, writer)
+    reader.scheduler.finished(["other", "r1"])  # the engine is idle again
+    asynchronous, plan = _claim(reader, "r2", [4, 10, 11, 0])
+    assert asynchronous is False and [s.asynchronous for s in plan.loads] == [False]
+    assert reader.scheduler.totals.idle_sync_claims == 1
 
 
 @pytest.mark.parametrize(
@@ -94,6 +99,7 @@ def test_the_keys_decide_where_the_idle_rule_does_not_apply(
         assert [spec.asynchronous for spec in plan.loads] == [asynchronous]
         assert reader.scheduler.totals.idle_sync_claims == 0
         reader.load(plan)
+        assert _placed(reader, writer)
     finally:
         reader.close()
 
