@@ -32,7 +32,7 @@ from nopecache.client.cost import CostConfig
 from nopecache.client.errors import ArenaRefusedError
 from nopecache.client.shm import ShmFastPath
 from nopecache.client.transport import ServerConnection
-from nopecache.client.zero_copy import Arena, lapsed, receive_arena_fd
+from nopecache.client.zero_copy import Arena, lapsed, receive_arena_fd, release_batch
 from nopecache.proto import cache_pb2 as pb
 from nopecache.proto import cache_pb2_grpc
 from nopecache.proto.block import validate
@@ -337,6 +337,37 @@ async def test_a_stream_closed_early_releases_the_leases_it_did_not_hand_out(
     await wait_until(lambda: zero.leases == 1, timeout_s=20)
     del first
     await wait_until(lambda: zero.leases == 0, timeout_s=20)
+    await fast.close()
+    await conn.close()
+
+
+@pytest.mark.asyncio
+async def test_views_let_go_in_a_batch_are_released_in_one_call(zc: Harness) -> None:
+    """A placement job lets go of its blocks inside ``release_batch``: their leases go in
+    one ReleaseLeases once it ends, even when the loop runs in between (each view woke
+    the loop for a call of its own before, on the placement's path)."""
+    stored = [block(i) for i in range(5)]
+    await put(zc.stub, stored, 60000)
+    fast = ShmFastPath("auto")
+    conn = connection(zc.running.address, fast)
+    views = await blobs(conn, [k for k, _ in stored])
+    assert fast.stats().leased_blocks == 5
+    source = fast.zero_copy_sources[0]
+    calls = source.release_calls
+    loop = asyncio.get_running_loop()
+
+    def let_go() -> None:  # on another thread, as the placement worker does
+        with release_batch():
+            views.pop(0)
+            # Whatever the first release woke is done before the rest let go.
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=60)
+            assert source.release_calls == calls
+            views.clear()
+
+    await asyncio.to_thread(let_go)
+    await source.settle()
+    assert (source.release_calls - calls, source.released) == (1, 5)
+    assert zc.running.service.zero_copy.leases == 0
     await fast.close()
     await conn.close()
 
