@@ -100,7 +100,10 @@ class NopecachePromMetrics(KVConnectorPromMetrics):
     """``vllm:nopecache_*`` Prometheus counters of the connector, per engine.
 
     The ``vllm:`` prefix puts them beside vLLM's own metrics (``LLM.get_metrics()`` and
-    the server's ``/metrics`` list only those).
+    the server's ``/metrics`` list only those). ``/metrics`` has each counter exact;
+    vLLM 0.32's ``LLM.get_metrics()`` reads every counter as an int, so the ``*_seconds``
+    counters come out of it in whole seconds (sum them from ``/metrics``, or over long
+    runs).
     """
 
     _COUNTERS: ClassVar[dict[str, str]] = {
