@@ -58,7 +58,7 @@ from nopecache.client.placement import (
 from nopecache.client.plan import Hit, HitKind, ReusePlan
 from nopecache.client.sharding import Rendezvous
 from nopecache.client.transport import BufferPool, ServerConnection
-from nopecache.client.zero_copy import lapsed, release_batch
+from nopecache.client.zero_copy import in_release_batch, lapsed
 from nopecache.kernels import RopeSpec
 from nopecache.proto.block import BlockError
 
@@ -342,22 +342,6 @@ class Download:
             if isinstance(blob, memoryview):
                 self.pool.give(blob)
 
-    def _place_batched(
-        self,
-        prompt: TokenArray,
-        into: PagedKV,
-        cancelled: threading.Event,
-        outcomes: dict[int, bool],
-    ) -> None:
-        """``_place_arrived`` with the leases of the views it lets go released together
-        once it returns (zero_copy.release_batch)."""
-        with release_batch():
-            self._place_arrived(prompt, into, cancelled, outcomes)
-
-    def _release_done(self) -> None:
-        with release_batch():
-            self.placer.staging.release_done(True)
-
     def _place_arrived(
         self,
         prompt: TokenArray,
@@ -420,7 +404,9 @@ class Download:
                 job: concurrent.futures.Future[Any]
                 if together is not None and into is not None and isinstance(blob, memoryview):
                     self._arrived.append((len(jobs), hits, blob))
-                    job = self.worker.submit(self._place_batched, arr, into, cancelled, together)
+                    job = self.worker.submit(
+                        in_release_batch, self._place_arrived, arr, into, cancelled, together
+                    )
                 else:
                     job = self.worker.submit(self._place, blob, hits, arr, into, out, cancelled)
                 jobs.append((hits, job))
@@ -450,7 +436,7 @@ class Download:
         # GPU finished reading them: released on the worker, after this fetch's jobs,
         # without making the fetch wait for the GPU.
         with contextlib.suppress(RuntimeError):  # the client is closing: the TTL ends them
-            self.worker.submit(self._release_done)
+            self.worker.submit(in_release_batch, self.placer.staging.release_done, True)
         # Every job has returned: all of the fetch's work is issued on into's stream.
         ready = None if into is None else into.record_ready()
         mask = torch.zeros(self.plan.num_tokens, dtype=torch.bool)

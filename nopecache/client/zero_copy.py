@@ -55,7 +55,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import grpc
 import grpc.aio
@@ -84,6 +84,7 @@ from nopecache.proto.contract import KEY_BYTES, method_path
 __all__ = [
     "Arena",
     "ZeroCopySource",
+    "in_release_batch",
     "lapsed",
     "receive_arena",
     "receive_arena_fd",
@@ -102,6 +103,9 @@ _TRANSIENT = frozenset(
 )
 # cudaHostRegisterPortable | cudaHostRegisterReadOnly: the mapping is PROT_READ.
 _CUDA_REGISTER_FLAGS = 0x01 | 0x08
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 _batch = threading.local()  # .held: {source: [lease ids]} of this thread's open batch
 
@@ -122,6 +126,13 @@ def release_batch() -> Iterator[None]:
         _batch.held = None
         for source, lids in held.items():
             source._queue_many(lids)
+
+
+def in_release_batch(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args, **kwargs)`` inside a :func:`release_batch` (a job for a worker thread:
+    what the call lets go of is released once it returns)."""
+    with release_batch():
+        return fn(*args, **kwargs)
 
 
 def receive_arena_fd(socket_name: str, nonce: bytes, timeout: float = HANDOFF_TIMEOUT_S) -> int:

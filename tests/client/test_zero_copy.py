@@ -73,6 +73,19 @@ async def blobs(conn: ServerConnection, keys: Sequence[bytes]) -> list[memoryvie
     return out
 
 
+async def leased(
+    h: Harness, n: int
+) -> tuple[list[tuple[bytes, bytes]], ShmFastPath, ServerConnection, list[memoryview | None]]:
+    """``n`` blocks stored, a new same-host connection, and its leased view of each block."""
+    stored = [block(i) for i in range(n)]
+    await put(h.stub, stored, 60000)
+    fast = ShmFastPath("auto")
+    conn = connection(h.running.address, fast)
+    views = await blobs(conn, [k for k, _ in stored])
+    assert fast.stats().leased_blocks == n
+    return stored, fast, conn, views
+
+
 @pytest_asyncio.fixture
 async def zc() -> AsyncIterator[Harness]:
     async with serving(ZC) as h:
@@ -290,12 +303,7 @@ async def test_a_killed_clients_leases_expire_and_their_pages_are_reused() -> No
 # -- (4) a leased page is never rewritten ---------------------------------------------------
 @pytest.mark.asyncio
 async def test_leased_blocks_keep_their_bytes_through_a_put_storm(zc: Harness) -> None:
-    stored = [block(i) for i in range(10)]
-    await put(zc.stub, stored, 60000)
-    fast = ShmFastPath("auto")
-    conn = connection(zc.running.address, fast)
-    held = await blobs(conn, [k for k, _ in stored])
-    assert fast.stats().leased_blocks == 10
+    stored, fast, conn, held = await leased(zc, 10)
     # Overwrite them (deleted, then stored again with other bytes under the same keys) and
     # store ten pools' worth of new blocks: every free page is reused many times over.
     await zc.stub.Delete(pb.DeleteRequest(keys=b"".join(k for k, _ in stored)))
@@ -346,12 +354,7 @@ async def test_views_let_go_in_a_batch_are_released_in_one_call(zc: Harness) -> 
     """A placement job lets go of its blocks inside ``release_batch``: their leases go in
     one ReleaseLeases once it ends, even when the loop runs in between (each view woke
     the loop for a call of its own before, on the placement's path)."""
-    stored = [block(i) for i in range(5)]
-    await put(zc.stub, stored, 60000)
-    fast = ShmFastPath("auto")
-    conn = connection(zc.running.address, fast)
-    views = await blobs(conn, [k for k, _ in stored])
-    assert fast.stats().leased_blocks == 5
+    _, fast, conn, views = await leased(zc, 5)
     source = fast.zero_copy_sources[0]
     calls = source.release_calls
     loop = asyncio.get_running_loop()
