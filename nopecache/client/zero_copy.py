@@ -15,12 +15,12 @@ re-RoPE scatter) reads the tier's own pages: one copy in all, into the paged cac
 
 Lease lifetime. Every leased block has its own lease, held by its view (a finalizer):
 once the view is gone (the block was placed) the lease id is queued and sent with
-ReleaseLeases, batched, off the fetch's path. Views that die inside a
+ReleaseLeases, batched. Views that die inside a
 :func:`release_batch` (a placement job) are queued together when it ends: one wake of
 the loop and one ReleaseLeases for them all. (Queued one by one from the placement's
 thread, each view woke the loop, whose flush took the GIL for its call before the
-placement thread went on: a fetch of five blocks made four or five serial calls at its
-end, where it now makes one.) The server leases a call's keys in order
+placement thread went on: a fetch ended in serial calls, up to one per block, where it
+now makes one per placement job.) The server leases a call's keys in order
 until its share (``zero_copy_share``) is held and says how many it tried; the rest are
 asked for again as soon as some of ours are released (placement frees them block by
 block), or, when none comes within ``space_wait_s``, fetched by the fallback. The server
